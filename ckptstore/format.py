@@ -1,0 +1,212 @@
+"""Shard files: a safetensors-compatible layout, encoded and decoded with every bound checked.
+
+A shard (uncompressed) is byte-for-byte a valid safetensors file::
+
+    u64 little-endian N | N bytes of JSON header (space-padded) | data section
+
+The header maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` with offsets
+relative to the data section, contiguous and in file order, plus ``__metadata__`` naming the format.
+The header is padded so the data section starts on a 4096-byte boundary (page-aligned tensors for
+mmap and O_DIRECT readers). dtypes that safetensors has no name for (complex128, float8 variants it
+lacks, ...) are stored as ``U8`` of their raw bytes; the manifest always has the true dtype and shape,
+and is the authority for ckptstore's own loader.
+
+Why safetensors: standard tools (``safetensors.safe_open``, the HF hub viewer) can read a cut with no
+ckptstore installed, the header is JSON (no pickle), and its rules (contiguous offsets, bounded header)
+are already battle-tested against hostile files. See docs/format.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import CorruptCut, HostileInput, TruncatedFile
+
+SHARD_FORMAT = "ckptstore-shard"
+SHARD_FORMAT_VERSION = "1"
+DATA_ALIGN = 4096
+#: Headers larger than this are refused before they are read (failure-modes row 43, "HeaderTooLarge").
+MAX_HEADER_BYTES = 64 << 20
+
+#: dtype name (torch spelling for tensors, numpy ``dtype.str`` for arrays) -> (safetensors name, itemsize)
+TORCH_DTYPES: dict[str, tuple[str, int]] = {
+    "bool": ("BOOL", 1),
+    "uint8": ("U8", 1),
+    "int8": ("I8", 1),
+    "int16": ("I16", 2),
+    "uint16": ("U16", 2),
+    "int32": ("I32", 4),
+    "uint32": ("U32", 4),
+    "int64": ("I64", 8),
+    "uint64": ("U64", 8),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "float32": ("F32", 4),
+    "float64": ("F64", 8),
+    "complex64": ("C64", 8),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
+    "float8_e4m3fnuz": ("F8_E4M3FNUZ", 1),
+    "float8_e5m2fnuz": ("F8_E5M2FNUZ", 1),
+    # No safetensors name: stored as U8 bytes, true dtype in the manifest.
+    "complex32": ("U8", 4),
+    "complex128": ("U8", 16),
+    "float8_e8m0fnu": ("U8", 1),
+}
+
+_NUMPY_TO_ST = {
+    "|b1": "BOOL", "|u1": "U8", "|i1": "I8", "<i2": "I16", "<u2": "U16", "<i4": "I32", "<u4": "U32",
+    "<i8": "I64", "<u8": "U64", "<f2": "F16", "<f4": "F32", "<f8": "F64", "<c8": "C64",
+}
+
+ST_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,
+    "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
+    "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
+}
+
+
+def header_dtype(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[str, list[int]]:
+    """The (safetensors dtype, shape) a shard header records for a tensor or array."""
+    if kind == "torch":
+        st = TORCH_DTYPES[dtype][0]
+    else:
+        st = _NUMPY_TO_ST.get(dtype, "U8")
+    if st == "U8" and not (kind == "torch" and dtype == "uint8") and not (kind == "numpy" and dtype == "|u1"):
+        return "U8", [nbytes]
+    return st, list(shape)
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A decoded shard header: ``data_start`` is the file offset of the data section."""
+
+    entries: tuple[HeaderEntry, ...]
+    metadata: dict[str, str]
+    data_start: int
+    data_nbytes: int
+
+    @property
+    def file_nbytes(self) -> int:
+        return self.data_start + self.data_nbytes
+
+
+def encode_header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, str] | None = None) -> bytes:
+    """The header bytes (length prefix included) for tensors ``(name, st_dtype, shape, nbytes)`` laid
+    out contiguously in the given order."""
+    header: dict[str, Any] = {
+        "__metadata__": {"format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION, **(metadata or {})}
+    }
+    offset = 0
+    for name, st_dtype, shape, nbytes in entries:
+        if name == "__metadata__" or name in header:
+            raise ValueError(f"duplicate or reserved tensor name {name!r}")
+        header[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    body = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
+    total = 8 + len(body)
+    padded = -(-total // DATA_ALIGN) * DATA_ALIGN
+    body += b" " * (padded - total)
+    return struct.pack("<Q", len(body)) + body
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise HostileInput(f"duplicate key {k!r} in shard header")
+        out[k] = v
+    return out
+
+
+def decode_header(
+    read_range: Callable[[int, int], bytes],
+    file_nbytes: int,
+    *,
+    where: dict[str, str | None],
+) -> ShardHeader:
+    """Decodes and bounds-checks a shard header. ``read_range(start, end)`` returns file bytes;
+    ``where`` carries store/cut/path for errors. Never trusts a length before checking it against the
+    file size."""
+    if file_nbytes < 8:
+        raise TruncatedFile(f"shard is {file_nbytes} bytes, shorter than its 8-byte length prefix", **where)
+    (n,) = struct.unpack("<Q", read_range(0, 8))
+    if n > MAX_HEADER_BYTES or n > file_nbytes - 8:
+        raise HostileInput(
+            f"shard header length {n} is impossible (file is {file_nbytes} bytes, limit {MAX_HEADER_BYTES})",
+            **where,
+        )
+    raw = read_range(8, 8 + n)
+    if len(raw) != n:
+        raise TruncatedFile(f"shard header: expected {n} bytes, found {len(raw)}", **where)
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
+    except HostileInput as exc:
+        raise HostileInput(exc.message, **where) from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptCut(f"shard header is not valid JSON: {exc}", **where) from None
+    if not isinstance(doc, dict):
+        raise CorruptCut("shard header is not a JSON object", **where)
+    meta = doc.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptCut("shard header __metadata__ must map strings to strings", **where)
+    entries = []
+    for name, spec in doc.items():
+        entries.append(_check_entry(name, spec, where))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    expected = 0
+    for e in entries:
+        if e.begin != expected:
+            raise CorruptCut(f"tensor {e.name!r}: data_offsets start at {e.begin}, expected {expected}", **where)
+        expected = e.end
+    data_start = 8 + n
+    if data_start + expected > file_nbytes:
+        raise TruncatedFile(
+            f"shard data section needs {data_start + expected} bytes, file has {file_nbytes}", **where
+        )
+    if data_start + expected != file_nbytes:
+        raise CorruptCut(
+            f"shard has {file_nbytes - data_start - expected} trailing bytes after its data section", **where
+        )
+    return ShardHeader(tuple(entries), meta, data_start, expected)
+
+
+def _check_entry(name: str, spec: Any, where: dict[str, str | None]) -> HeaderEntry:
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise CorruptCut(f"tensor {name!r}: header entry must have exactly dtype, shape, data_offsets", **where)
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if dtype not in ST_ITEMSIZE:
+        raise CorruptCut(f"tensor {name!r}: unknown dtype {dtype!r}", **where)
+    if (
+        not isinstance(shape, list)
+        or len(shape) > 64
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62 for d in shape)
+    ):
+        raise HostileInput(f"tensor {name!r}: shape {shape!r} is not a list of sane sizes", **where)
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) and 0 <= o < 2**62 for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise HostileInput(f"tensor {name!r}: data_offsets {offsets!r} are not an ordered pair", **where)
+    nbytes = math.prod(shape) * ST_ITEMSIZE[dtype]
+    if offsets[1] - offsets[0] != nbytes:
+        raise CorruptCut(
+            f"tensor {name!r}: {dtype}{shape} needs {nbytes} bytes, offsets span {offsets[1] - offsets[0]}",
+            **where,
+        )
+    return HeaderEntry(name, dtype, tuple(shape), offsets[0], offsets[1])

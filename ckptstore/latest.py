@@ -1,0 +1,42 @@
+"""The LATEST pointer: the commit point of the store.
+
+LATEST is a small JSON file naming the committed cut (by its relative id, so a moved store still
+resolves, failure-modes row 17) and the blake3 of that cut's manifest bytes, so a pointer can never be
+paired with a different manifest. It is only ever replaced atomically and durably.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from . import layout
+from .models import StrictModel
+
+
+class Pointer(StrictModel):
+    KIND = "ckptstore.latest"
+
+    kind: Literal["ckptstore.latest"] = "ckptstore.latest"
+    format_version: Literal[1] = 1
+    cut: str
+    step: int = Field(ge=0)
+    manifest_blake3: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    @field_validator("cut")
+    @classmethod
+    def _cut_id(cls, v: str) -> str:
+        if not layout.is_cut_id(v):
+            raise ValueError(f"refusing cut name {v!r}: not of the form step-<12 digits>-<8 hex>")
+        return v
+
+
+class StoreIdentity(StrictModel):
+    """STORE.json: marks a directory as a ckptstore store, so ``gc`` never works on a foreign tree."""
+
+    KIND = "ckptstore.store"
+
+    kind: Literal["ckptstore.store"] = "ckptstore.store"
+    format_version: Literal[1] = 1
+    created_at: str

@@ -1,0 +1,84 @@
+"""Loading a committed cut back into the structure that was saved.
+
+Every byte is hashed while it is read (one pass), straight into the memory of the tensors returned;
+a partial load (``keys``) reads only the bytes those keys need and checks each array's own blake3.
+Nothing is unpickled unless the caller passes ``allow_pickle=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .arrays import empty_for, finish_tensor
+from .errors import CorruptCut, UsageError
+from .fs import Storage
+from .manifest import Manifest, TensorRecord
+from .shards import read_header, read_shard_into, read_tensor_range
+from .tree import leaf_names, unflatten
+
+
+def _select_tree(m: Manifest, keys: Sequence[str] | None, where: dict[str, Any]) -> dict[str, Any]:
+    if keys is None:
+        return m.tree
+    if m.tree.get("t") != "dict":
+        raise UsageError("keys= needs a cut whose state is a dict", **where)
+    wanted = list(keys)
+    items = [it for it in m.tree.get("items", []) if it.get("k") in wanted or it.get("ik") in wanted]
+    found = {it.get("k", it.get("ik")) for it in items}
+    missing = [k for k in wanted if k not in found]
+    if missing:
+        raise UsageError(f"keys {missing!r} are not top-level keys of this cut", **where)
+    return {**m.tree, "items": items}
+
+
+def load_manifest(
+    storage: Storage,
+    m: Manifest,
+    *,
+    map_location: Any = "cpu",
+    verify: bool = True,
+    keys: Sequence[str] | None = None,
+    allow_pickle: bool = False,
+) -> Any:
+    """Reads the arrays of a committed cut's manifest and rebuilds its state."""
+    where = {"store": storage.url, "cut": m.cut}
+    tree = _select_tree(m, keys, where)
+    index = m.tensor_index()
+    needed = set(leaf_names(tree))
+    unknown = needed - set(index)
+    if unknown:
+        raise CorruptCut(f"manifest tree names arrays it does not record: {sorted(unknown)[:3]}", **where)
+    objs: dict[str, Any] = {}
+    for rec in m.files:
+        in_file = [t for t in m.tensors if t.file == rec.name]
+        wanted = [t for t in in_file if t.name in needed]
+        if not wanted:
+            continue
+        if keys is not None and rec.codec == "none" and len(wanted) < len(in_file):
+            header = read_header(storage, m.cut, rec)
+            for t in wanted:
+                obj, view = empty_for(t.kind, t.dtype, t.shape, t.nbytes)
+                read_tensor_range(storage, m.cut, rec, header, t, view, verify=verify)
+                objs[t.name] = obj
+            continue
+        scratch: dict[str, memoryview] = {}
+
+        def dest(t: TensorRecord) -> memoryview:
+            if t.name in needed:
+                obj, view = empty_for(t.kind, t.dtype, t.shape, t.nbytes)
+                objs[t.name] = obj
+                return view
+            scratch[t.name] = memoryview(bytearray(t.nbytes))
+            return scratch[t.name]
+
+        read_shard_into(storage, m.cut, rec, in_file, dest, verify=verify)
+
+    finished: dict[str, Any] = {}
+
+    def leaf(name: str, node: dict[str, Any]) -> Any:
+        # One object per name, so tensors that were shared when saved are shared again.
+        if name not in finished:
+            finished[name] = finish_tensor(objs[name], node, map_location)
+        return finished[name]
+
+    return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where)

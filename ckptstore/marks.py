@@ -1,0 +1,48 @@
+"""In-progress marks: a small durable file per cut being written, saying who writes it.
+
+A mark is written (and fsynced, with its directory) before the first shard of a cut, and removed
+(durably) only after LATEST names the cut. A cut directory with a mark is never read as committed
+unless LATEST names it (then the mark is stale: the crash came between the commit and the removal).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from . import layout
+from .models import StrictModel
+
+
+class Mark(StrictModel):
+    KIND = "ckptstore.mark"
+
+    kind: Literal["ckptstore.mark"] = "ckptstore.mark"
+    format_version: Literal[1] = 1
+    cut: str
+    step: int = Field(ge=0)
+    host: str
+    pid: int
+    started_at: str
+    writer: str
+
+    @field_validator("cut")
+    @classmethod
+    def _cut_id(cls, v: str) -> str:
+        if not layout.is_cut_id(v):
+            raise ValueError(f"refusing cut name {v!r}: not of the form step-<12 digits>-<8 hex>")
+        return v
+
+
+class BadCut(StrictModel):
+    """A record that a committed cut failed verification on load, so restarts skip it."""
+
+    KIND = "ckptstore.bad"
+
+    kind: Literal["ckptstore.bad"] = "ckptstore.bad"
+    format_version: Literal[1] = 1
+    cut: str
+    step: int
+    reason: str
+    recorded_at: str

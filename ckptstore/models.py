@@ -1,0 +1,48 @@
+"""Shared base for every model parsed from bytes: strict, frozen, versioned, no extra fields."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .errors import ManifestError
+
+M = TypeVar("M", bound="StrictModel")
+
+
+class StrictModel(BaseModel):
+    """Frozen, ``extra="forbid"``, strict types. Subclasses set ``KIND`` and carry ``format_version``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    KIND: ClassVar[str] = ""
+    FORMAT_VERSION: ClassVar[int] = 1
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=False) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls: type[M], data: bytes, **where: Any) -> M:
+        """Parses and validates; every failure is a ManifestError naming the store, cut and file."""
+        what = cls.KIND
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ManifestError(f"{what} is not valid JSON: {exc}", **where) from None
+        if not isinstance(doc, dict):
+            raise ManifestError(f"{what} is not a JSON object", **where)
+        if doc.get("kind") != cls.KIND:
+            raise ManifestError(f"expected kind {cls.KIND!r}, found {doc.get('kind')!r}", **where)
+        if doc.get("format_version") != cls.FORMAT_VERSION:
+            raise ManifestError(
+                f"{what} format_version {doc.get('format_version')!r} is not supported "
+                f"(this ckptstore reads version {cls.FORMAT_VERSION}); upgrade ckptstore",
+                **where,
+            )
+        try:
+            return cls.model_validate(doc)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"])
+            raise ManifestError(f"{what} field {loc!r}: {first['msg']}", **where) from None

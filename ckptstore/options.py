@@ -1,0 +1,36 @@
+"""Frozen, keyword-only, validated options of a store. No environment variables are read anywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from .protocol import PhaseHook
+
+EventSink = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreOptions:
+    """How a store writes.
+
+    ``compression``: None (default: zstd does not pay for float state on this class of machine, see
+    docs/benchmarks.md) or "zstd"; ``zstd_level`` its level. ``max_shard_bytes`` bounds a shard file.
+    ``on_event`` receives one JSON-able dict per event (``events.py``). ``on_phase`` is the
+    fault-injection seam of the commit protocol (tests only).
+    """
+
+    compression: Literal["zstd"] | None = None
+    zstd_level: int = 1
+    max_shard_bytes: int = 1 << 30
+    on_event: EventSink | None = None
+    on_phase: PhaseHook | None = None
+    storage_options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}")
+        if not -7 <= self.zstd_level <= 22:
+            raise ValueError("zstd_level must be in [-7, 22]")
+        if self.max_shard_bytes < 1 << 20:
+            raise ValueError("max_shard_bytes must be at least 1 MiB")

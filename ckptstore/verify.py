@@ -1,0 +1,138 @@
+"""Store audits: re-hash every file of every committed cut and report findings, never stopping at the
+first one.
+
+A finding has a ``severity``: "error" (committed data or the commit point is damaged: the audit fails)
+or "notice" (leftovers of an interrupted save or prune, foreign files: ``gc`` material, not damage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from . import hashing, layout
+from .errors import CkptStoreError, CorruptCut, DataError, TruncatedFile
+from .fs import Storage
+from .manifest import FileRecord, Manifest
+from .recovery import Classification
+from .shards import check_header_matches, read_header, read_shard_into
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str  # "error" | "notice"
+    kind: str
+    message: str
+    cut: str | None = None
+    path: str | None = None
+    expected: str | None = None
+    found: str | None = None
+
+
+@dataclass
+class VerifyReport:
+    store: str
+    cuts_checked: list[str] = field(default_factory=list)
+    files_checked: int = 0
+    bytes_hashed: int = 0
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    def bad_cuts(self) -> set[str]:
+        return {f.cut for f in self.errors if f.cut is not None}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "store": self.store, "ok": self.ok, "cuts_checked": self.cuts_checked,
+            "files_checked": self.files_checked, "bytes_hashed": self.bytes_hashed,
+            "findings": [asdict(f) for f in self.findings],
+        }
+
+
+def verify_file(storage: Storage, m: Manifest, rec: FileRecord, progress: Progress | None = None) -> list[Finding]:
+    """Checks one file of a cut: presence, size, blake3 (stored and raw), and its header against the
+    manifest. Returns findings instead of raising."""
+    rel = layout.cut_file(m.cut, rec.name)
+    tensors = [t for t in m.tensors if t.file == rec.name]
+    try:
+        if not storage.exists(rel):
+            return [Finding("error", "missing-file", f"{rel} is missing", m.cut, rel)]
+        size = storage.size(rel)
+        if size != rec.nbytes:
+            return [Finding("error", "size-mismatch", f"{rel}: expected {rec.nbytes} bytes, found {size}",
+                            m.cut, rel, str(rec.nbytes), str(size))]
+        local = storage.local_path(rel)
+        if rec.codec == "none" and local is not None:
+            got = hashing.digest_file(local)
+            if progress is not None:
+                progress(size)
+            if got != rec.blake3:
+                return [Finding("error", "hash-mismatch", f"{rel}: blake3 mismatch", m.cut, rel, rec.blake3, got)]
+            header = read_header(storage, m.cut, rec)
+            check_header_matches(header, tensors, {"store": storage.url, "cut": m.cut, "path": rel})
+        else:
+            scratch = bytearray(max((t.nbytes for t in tensors), default=0))
+            read_shard_into(storage, m.cut, rec, tensors, lambda t: memoryview(scratch)[: t.nbytes],
+                            verify=True, on_bytes=progress)
+    except TruncatedFile as exc:
+        return [Finding("error", "truncated", exc.message, m.cut, rel)]
+    except CorruptCut as exc:
+        kind = "hash-mismatch" if "blake3" in exc.message else "corrupt-file"
+        return [Finding("error", kind, exc.message, m.cut, rel)]
+    except CkptStoreError as exc:
+        return [Finding("error", "unreadable", exc.message, m.cut, rel)]
+    return []
+
+
+def verify_store(
+    storage: Storage,
+    cls: Classification,
+    *,
+    cut: str | None = None,
+    progress: Progress | None = None,
+) -> VerifyReport:
+    """Audits the committed cuts (or one, by id) and reports the store-level state around them."""
+    report = VerifyReport(store=storage.url)
+    add = report.findings.append
+    if cls.latest_problem is not None:
+        add(Finding("error", f"latest-{cls.latest_problem_kind}", cls.latest_problem + "; run `ckptstore repair`",
+                    path=layout.LATEST_FILE))
+    for c, exc in cls.broken.items():
+        add(Finding("error", "manifest-broken", exc.message, c, layout.manifest_path(c)))
+    targets = cls.committed if cut is None else [m for m in cls.committed if m.cut == cut]
+    for m in targets:
+        report.cuts_checked.append(m.cut)
+        for rec in m.files:
+            report.findings.extend(verify_file(storage, m, rec, progress))
+            report.files_checked += 1
+            report.bytes_hashed += rec.nbytes
+        if m.cut in cls.bad:
+            add(Finding("notice", "recorded-bad", "cut was recorded bad by an earlier load", m.cut,
+                        layout.bad_path(m.cut)))
+    if cut is None:
+        for lo in cls.leftovers:
+            alive = {True: "alive", False: "dead", None: "unknown"}[lo.owner_alive]
+            owner = f" (writer {lo.owner}, {alive})" if lo.owner else ""
+            add(Finding("notice", f"leftover-{lo.kind}", f"{lo.kind} leftover{owner}: {', '.join(lo.paths)}",
+                        lo.cut, lo.paths[0] if lo.paths else None))
+        for rel in cls.foreign:
+            add(Finding("notice", "foreign", f"{rel} is not ckptstore's; left alone", path=rel))
+    return report
+
+
+def first_error(report: VerifyReport) -> DataError | None:
+    """The first error finding as an exception (for loaders that refuse damaged cuts)."""
+    for f in report.errors:
+        cls = TruncatedFile if f.kind in ("truncated", "size-mismatch") else CorruptCut
+        detail = f" (expected {f.expected}, found {f.found})" if f.expected else ""
+        return cls(f.message + detail, store=report.store, cut=f.cut, path=f.path)
+    return None
