@@ -25,7 +25,7 @@ class Emitter:
         self.store = store
         self.sink = sink
 
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, kind: str, /, **fields: Any) -> dict[str, Any]:
         event = {"event": kind, "ts": round(time.time(), 6), "store": self.store, **fields}
         log.debug("%s", event)
         if self.sink is not None:
