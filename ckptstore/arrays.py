@@ -37,7 +37,9 @@ def describe(leaf: Leaf) -> ArrayItem:
 
         a = np.ascontiguousarray(leaf.obj)
         view = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
-        return ArrayItem(leaf.name, "numpy", a.dtype.str, tuple(a.shape), a.nbytes, view)
+        # The shape of the leaf, not of ``a``: ascontiguousarray returns ndim >= 1, so a 0-d array
+        # would come back from a load with shape (1,).
+        return ArrayItem(leaf.name, "numpy", a.dtype.str, tuple(np.shape(leaf.obj)), a.nbytes, view)
     import torch
 
     t = leaf.obj.detach()

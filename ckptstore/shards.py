@@ -240,13 +240,16 @@ def read_shard_into(
     *,
     verify: bool = True,
     on_bytes: Callable[[int], None] | None = None,
+    reuses_buffers: bool = False,
 ) -> None:
     """Streams a whole shard, reading each array's bytes straight into ``dest(record)``; checks the
     header against the manifest, the file's lengths and (with ``verify``) its blake3, hashed while
-    reading (one pass over the bytes)."""
+    reading (one pass over the bytes). Hashing overlaps the next read on a helper thread unless
+    ``reuses_buffers`` says ``dest`` hands out the same memory twice (then a chunk could change before
+    it is hashed)."""
     rel = layout.cut_file(cut, record.name)
     where = {"store": storage.url, "cut": cut, "path": rel}
-    stream = _RawStream(storage, rel, record, where, overlap=verify)
+    stream = _RawStream(storage, rel, record, where, overlap=verify and not reuses_buffers)
     try:
         prefix = stream.read_exact(8)
         n = int.from_bytes(prefix, "little")

@@ -46,6 +46,19 @@ def _float_node(v: float) -> dict[str, Any]:
     return {"t": "float", "v": v.hex() if math.isfinite(v) else _special(v)}
 
 
+#: Ints wider than this are stored as hex strings. CPython converts at most 4300 decimal digits by
+#: default (sys.set_int_max_str_digits): a longer JSON number makes the manifest unwritable, or, from
+#: a process that raised the limit, a committed cut that no default process can parse. 8192 bits is
+#: about 2466 digits; hex conversion has no limit.
+MAX_JSON_INT_BITS = 8192
+
+
+def _int_node(v: int) -> dict[str, Any]:
+    if v.bit_length() > MAX_JSON_INT_BITS:
+        return {"t": "int", "hex": hex(v)}
+    return {"t": "int", "v": v}
+
+
 def _special(v: float) -> str:
     import struct
 
@@ -96,7 +109,7 @@ class _Flattener:
                 return self._fallback(value, path)
             return {"t": "npscalar", "dtype": arr.dtype.str, "v": base64.b64encode(arr.tobytes()).decode()}
         if type(value) is int:
-            return {"t": "int", "v": value}
+            return _int_node(value)
         if type(value) is float:
             return _float_node(value)
         if type(value) is complex:
@@ -110,8 +123,11 @@ class _Flattener:
             for k, v in value.items():
                 if type(k) is str:
                     items.append({"k": k, "v": self.node(v, path + (k,))})
-                elif type(k) is int:
+                elif type(k) is int and k.bit_length() <= MAX_JSON_INT_BITS:
                     items.append({"ik": k, "v": self.node(v, path + (k,))})
+                elif type(k) is int:
+                    raise UnsupportedValue(f"dict key at {_key_path(path)!r} is an int wider than "
+                                           f"{MAX_JSON_INT_BITS} bits; use a str key")
                 else:
                     raise UnsupportedValue(
                         f"dict key {k!r} at {_key_path(path)!r} is a {type(k).__name__}; keys must be str or int"
@@ -192,6 +208,8 @@ class _Builder:
             if t == "bool":
                 return self._typed(node["v"], bool)
             if t == "int":
+                if "hex" in node:
+                    return int(self._typed(node["hex"], str), 16)
                 return self._typed(node["v"], int)
             if t == "float":
                 return _float_value(self._typed(node["v"], str))

@@ -82,7 +82,7 @@ def verify_file(storage: Storage, m: Manifest, rec: FileRecord, progress: Progre
         else:
             scratch = bytearray(max((t.nbytes for t in tensors), default=0))
             read_shard_into(storage, m.cut, rec, tensors, lambda t: memoryview(scratch)[: t.nbytes],
-                            verify=True, on_bytes=progress)
+                            verify=True, on_bytes=progress, reuses_buffers=True)
     except TruncatedFile as exc:
         return [Finding("error", "truncated", exc.message, m.cut, rel)]
     except CorruptCut as exc:
