@@ -37,7 +37,7 @@ from .protocol import CommitProtocol, now_iso
 from .recovery import Classification, Leftover, classify, scan
 from .retention import Policy, hard_keeps
 from .shards import Codec, plan_shards, write_shard
-from .tree import flatten
+from .tree import flatten, has_pickle
 from .verify import Progress, VerifyReport, verify_store
 
 CutSelector = str | int
@@ -249,7 +249,7 @@ class Store:
         t0 = time.perf_counter()
         tree, leaves = flatten(state, allow_pickle=allow_pickle)
         items = [describe(leaf) for leaf in leaves]
-        pickled = '"t": "pickle"' in json.dumps(tree) if allow_pickle else False
+        pickled = allow_pickle and has_pickle(tree)
         cut = layout.new_cut_id(step)
         t_flat = time.perf_counter()
         files, tensors = self._write_cut(cut, step, items)

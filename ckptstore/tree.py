@@ -299,3 +299,17 @@ def leaf_names(tree: Any) -> list[str]:
             items = [item.get("v") for item in items if isinstance(item, dict)]
         stack.extend(reversed(items))
     return out
+
+
+def has_pickle(tree: Any) -> bool:
+    """Whether any node of a tree is a pickled value (the manifest then says ``pickled``)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if node.get("t") == "pickle":
+            return True
+        items = node.get("items") if isinstance(node.get("items"), list) else []
+        stack.extend(item.get("v") if node.get("t") == "dict" and isinstance(item, dict) else item for item in items)
+    return False

@@ -1,6 +1,22 @@
 """ckptstore.writer: background cuts through one shared-memory block and a persistent writer process.
 
-Not implemented yet (issue 3); importing it must never be needed by ``import ckptstore``.
+Depends on the store (``ckptstore``); the store never imports this package.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from .checkpointer import Checkpointer
+from .committer import CutHandle
+from .errors import IllegalTransition, ShmTooSmall, WriterDied, WriterError, WriterTimeout
+from .options import WriterOptions
+
+__all__ = [
+    "Checkpointer",
+    "CutHandle",
+    "WriterOptions",
+    "WriterError",
+    "WriterDied",
+    "WriterTimeout",
+    "ShmTooSmall",
+    "IllegalTransition",
+]

@@ -1,0 +1,343 @@
+"""The trainer-facing facade: ``Checkpointer.maybe_cut`` / ``cut`` / ``close``.
+
+A cut costs the loop only :func:`~ckptstore.writer.capture.capture`. A commit thread then marks the
+cut in the store, has the writer process write its shards from the shared block, commits the manifest
+and LATEST through the store's protocol, and prunes. If the writer process dies or hangs, the commit
+thread removes the partial files and writes the same shards itself from the same block (event
+``fallback``); a new writer process is started for the next cut.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any, Sequence
+
+from ckptstore import __version__, layout
+from ckptstore.errors import StepConflict, UsageError
+from ckptstore.events import Emitter, JsonLinesFile
+from ckptstore.fs import host_identity
+from ckptstore.manifest import FileRecord, Manifest, TensorRecord, WriterIdentity
+from ckptstore.protocol import now_iso
+from ckptstore.retention import Policy
+from ckptstore.shards import Codec, write_shard
+from ckptstore.arrays import ArrayItem
+from ckptstore.store import Store
+
+from . import protocol as P
+from .capture import Captured, Pinning, capture
+from .committer import CutHandle, elapsed
+from .errors import WriterDied, WriterError, WriterTimeout
+from .options import WriterOptions
+from .plan import grown_size
+from .process import WriterProcess
+from .shm import Block
+
+
+class Checkpointer:
+    """Takes background cuts of a training state into a store (see docs/writer.md)."""
+
+    def __init__(
+        self,
+        url_or_store: str | Store,
+        *,
+        every: int = 1,
+        keep: Policy | None = None,
+        compression: str | None = None,
+        mode: str = "process",
+        busy: str = "skip",
+        options: WriterOptions | None = None,
+        **more: Any,
+    ) -> None:
+        if options is None:
+            options = WriterOptions(every=every, keep=keep, compression=compression, mode=mode,  # type: ignore[arg-type]
+                                    busy=busy, **more)  # type: ignore[arg-type]
+        self.options = options
+        if isinstance(url_or_store, Store):
+            self.store, self._owns_store = url_or_store, False
+        else:
+            self.store, self._owns_store = Store.open(url_or_store, create=True), True
+        if self.store.readonly:
+            raise UsageError("a Checkpointer needs a store opened for writing", store=self.store.url)
+        self._jsonl = JsonLinesFile(options.events_path) if options.events_path else None
+        self.events = Emitter(self.store.url, self._fan_out)
+        self._block: Block | None = None
+        self._pinning = Pinning()
+        self._writer: WriterProcess | None = None
+        self._current: CutHandle | None = None
+        self._handles: list[CutHandle] = []
+        self._last_step: int | None = None
+        latest = self.store.latest()
+        self._last_step = latest.step if latest is not None else None
+        self.skipped = 0
+        self.waited = 0
+        self._closed = False
+        self._jobs: queue.Queue[tuple[CutHandle, Captured, dict[str, Any]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._fault_next: str | None = None  # test seam: a fault for the writer process's next request
+        if options.mode == "process":
+            self._writer = self._start_writer()
+        if options.mode in ("process", "thread"):
+            self._thread = threading.Thread(target=self._run, name="ckptstore-commit", daemon=True)
+            self._thread.start()
+        atexit.register(self._at_exit)
+
+    # ------------------------------------------------------------------------------------ public API
+    def maybe_cut(self, step: int, state: Any, **kw: Any) -> CutHandle | None:
+        """Takes a cut when ``step % every == 0`` and none is in flight (``busy="skip"``); returns its
+        handle, or None when no cut is due or it was skipped."""
+        self._raise_unreported()
+        if step % self.options.every != 0:
+            return None
+        return self._take(step, state, periodic=True, **kw)
+
+    def cut(self, step: int, state: Any, *, final: bool = False, **kw: Any) -> CutHandle:
+        """Takes a cut now whatever ``every`` says; waits for one in flight first. With ``final`` it
+        also marks the cut final and waits until it is committed."""
+        self._raise_unreported()
+        handle = self._take(step, state, periodic=False, final=final, **kw)
+        assert handle is not None
+        if final:
+            handle.wait()
+        return handle
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drains the cut in flight, stops the writer, frees the block; raises what failed and was not
+        yet reported. A failure here after a final cut committed does not touch that cut."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._at_exit)
+        cleanup_errors: list[BaseException] = []
+        if self._current is not None:
+            self._current._done.wait(timeout)
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout)
+        for closer in (self._close_writer, self._close_block, self._close_store):
+            try:
+                closer()
+            except BaseException as exc:  # noqa: BLE001 - keep closing; report below
+                cleanup_errors.append(exc)
+        self._raise_unreported()
+        if cleanup_errors:
+            final = [h for h in self._handles if h.final and h.state == "committed"]
+            note = f" (the final cut {final[-1].id} is committed and unaffected)" if final else ""
+            raise WriterError(f"closing the checkpointer failed{note}: {cleanup_errors[0]}",
+                              store=self.store.url) from cleanup_errors[0]
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def writer_pid(self) -> int | None:
+        return self._writer.pid if self._writer is not None else None
+
+    # ------------------------------------------------------------------------------------ internals
+    def _fan_out(self, event: dict[str, Any]) -> None:
+        if self.options.on_event is not None:
+            self.options.on_event(event)
+        if self._jsonl is not None:
+            self._jsonl(event)
+
+    def _start_writer(self) -> WriterProcess:
+        return WriterProcess(self.store.url, self.options)
+
+    def _raise_unreported(self) -> None:
+        for h in self._handles:
+            if h.done and h.error is not None and not h.reported:
+                h.reported = True
+                raise h.error
+        self._handles = [h for h in self._handles if not h.done or (h.error is not None and not h.reported)]
+
+    def _take(self, step: int, state: Any, *, periodic: bool, final: bool = False,
+              tags: Sequence[str] = (), metadata: dict[str, Any] | None = None, allow_pickle: bool = False
+              ) -> CutHandle | None:
+        if self._closed:
+            raise UsageError("the checkpointer is closed", store=self.store.url)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise UsageError(f"step must be a non-negative int, got {step!r}", store=self.store.url)
+        current = self._current
+        if current is not None and not current.done:
+            if periodic and self.options.busy == "skip":
+                self.skipped += 1
+                self.events.emit("skipped", step=step, reason=f"cut {current.id} (step {current.step}) is still "
+                                 f"{current.state}", skipped_total=self.skipped, waited_total=self.waited)
+                return None
+            self.waited += 1
+            t_wait = time.perf_counter()
+            current._done.wait()
+            self.events.emit("waited", step=step, seconds=elapsed(t_wait), for_cut=current.id,
+                             waited_total=self.waited)
+            self._raise_unreported()
+        if self._last_step is not None and step <= self._last_step:
+            raise StepConflict(f"step {step} is not above the last cut's step {self._last_step}",
+                               store=self.store.url)
+        handle = CutHandle(step, layout.new_cut_id(step), final)
+        try:
+            captured = capture(state, self._block_for, allow_pickle=allow_pickle,
+                               device_copy=self.options.device_copy, pinning=self._pinning)
+        except BaseException as exc:
+            handle.to_failed(exc)
+            handle.reported = True
+            self.events.emit("failed", step=step, cut=handle.id, stage="capture", error=str(exc),
+                             error_type=type(exc).__name__)
+            raise
+        handle.to_writing()
+        self._last_step = step
+        self._current = handle
+        self._handles.append(handle)
+        self.events.emit("captured", step=step, cut=handle.id, stall_s=round(captured.seconds, 6),
+                         bytes=captured.plan.payload, tensors=len(captured.plan.slots), capture_mode=captured.mode,
+                         capture_reason=captured.reason, writer_mode=self.options.mode,
+                         skipped_total=self.skipped, waited_total=self.waited)
+        job = (handle, captured, {"tags": list(tags), "metadata": dict(metadata or {}), "final": final})
+        if self.options.mode == "inline":
+            self._process(*job)
+        else:
+            self._jobs.put(job)
+        return handle
+
+    def _block_for(self, nbytes: int) -> Block:
+        """The shared block, grown (a new one, prefaulted) only when the state no longer fits. Only
+        called when no cut is in flight, so no region still being written is ever reused."""
+        if self._block is None or self._block.size < nbytes:
+            size = grown_size(nbytes, self._block.size if self._block is not None else 0)
+            self._close_block()
+            self._block = Block.create(size)
+        return self._block
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._process(*job)
+
+    def _process(self, handle: CutHandle, captured: Captured, extra: dict[str, Any]) -> None:
+        """Mark, write (writer process, else this thread), commit, prune. Never raises: the outcome
+        lands in the handle, and unreported failures surface at the next call or at close."""
+        t0 = time.perf_counter()
+        try:
+            self.store.begin_cut(handle.id, handle.step, f"checkpointer:{self.options.mode}")
+            captured.ready()
+            files, tensors, timings = self._write(handle, captured)
+            handle.timings.update(timings)
+            self.events.emit("written", step=handle.step, cut=handle.id, bytes=sum(f.nbytes for f in files),
+                             timings={k: round(v, 6) for k, v in timings.items()}, writer_mode=self.options.mode,
+                             fallback=handle.fallback)
+            handle.to_committing()
+            t_commit = time.perf_counter()
+            manifest = Manifest(
+                cut=handle.id, step=handle.step, tags=extra["tags"], final=extra["final"], created_at=now_iso(),
+                writer=WriterIdentity(host=str(host_identity()["host"]), pid=os.getpid(), ckptstore_version=__version__,
+                                      mode=self.options.mode),
+                metadata=extra["metadata"], files=files, tensors=tensors, tree=captured.tree, pickled=captured.pickled,
+            )
+            info = self.store.commit_manifest(manifest)
+            handle.to_committed(info)
+            self.events.emit("committed", step=handle.step, cut=handle.id, bytes=info.nbytes,
+                             timings={"commit": elapsed(t_commit), "total": elapsed(t0)},
+                             writer_mode=self.options.mode, fallback=handle.fallback, final=extra["final"])
+        except BaseException as exc:  # noqa: BLE001 - recorded in the handle, raised later
+            if handle.state in ("capturing", "writing"):
+                # Before the manifest: nothing of this cut can be committed, so its files go now. Once
+                # committing, LATEST may already name it: leave it to recovery (its mark decides).
+                self.store.abandon_cut(handle.id)
+            if not handle.done:
+                handle.to_failed(exc)
+            self.events.emit("failed", step=handle.step, cut=handle.id, error=str(exc), error_type=type(exc).__name__,
+                             writer_mode=self.options.mode, fallback=handle.fallback)
+            return
+        if self.options.keep is not None:
+            try:
+                self.store.prune(self.options.keep)
+            except BaseException as exc:  # noqa: BLE001 - a failed prune never fails a committed cut
+                self.events.emit("warning", step=handle.step, message=f"prune failed: {exc}")
+
+    def _write(self, handle: CutHandle, captured: Captured) -> tuple[list[FileRecord], list[TensorRecord], dict[str, float]]:
+        req = self._request(handle, captured)
+        if self.options.mode == "process":
+            fault, self._fault_next = self._fault_next, None
+            try:
+                if self._writer is None or not self._writer.alive:
+                    self._close_writer()
+                    self._writer = self._start_writer()
+                done = self._writer.write(req.model_copy(update={"fault": fault}))
+                return done.files, done.tensors, dict(done.timings)
+            except (WriterDied, WriterTimeout) as exc:
+                handle.fallback = str(exc)
+                self.events.emit("fallback", step=handle.step, cut=handle.id, reason=str(exc),
+                                 error_type=type(exc).__name__)
+                self._close_writer()
+                # Partial files of the dead writer go; the mark stays (the cut is still in flight here).
+                self.store.protocol.remove_cut_files(handle.id)
+                self.store.storage.make_dir(layout.cut_dir(handle.id))
+        return self._write_here(req)
+
+    def _request(self, handle: CutHandle, captured: Captured) -> P.WriteRequest:
+        from ckptstore.shards import plan_shards
+
+        assert self._block is not None
+        slots = [P.SlotMsg(name=s.name, kind=s.kind, dtype=s.dtype, shape=list(s.shape), nbytes=s.nbytes,  # type: ignore[arg-type]
+                           offset=s.offset) for s in captured.plan.slots]
+        indexed = [ArrayItem(s.name, s.kind, s.dtype, s.shape, s.nbytes, memoryview(b"")) for s in captured.plan.slots]
+        groups = plan_shards(indexed, self.options.max_shard_bytes)
+        pos = {id(it): i for i, it in enumerate(indexed)}
+        shards = [[pos[id(it)] for it in group] for group in groups]
+        return P.WriteRequest(cut=handle.id, step=handle.step, block=self._block.name, block_size=self._block.size,
+                              slots=slots, shards=shards, codec="zstd" if self.options.compression == "zstd" else "none",
+                              zstd_level=self.options.zstd_level)
+
+    def _write_here(self, req: P.WriteRequest) -> tuple[list[FileRecord], list[TensorRecord], dict[str, float]]:
+        """The same shards the writer process would write, from the same block, in this process."""
+        assert self._block is not None
+        t0 = time.perf_counter()
+        view = self._block.view
+        codec = Codec(req.codec, req.zstd_level)
+        files, tensors, timings = [], [], {}
+        for i, idx in enumerate(req.shards):
+            items = [ArrayItem(s.name, s.kind, s.dtype, tuple(s.shape), s.nbytes, view[s.offset:s.offset + s.nbytes])
+                     for s in (req.slots[j] for j in idx)]
+            rec, trecs = write_shard(self.store.storage, req.cut, layout.shard_name(req.rank, i, compressed=codec.name == "zstd"),
+                                     req.rank, items, codec, timings=timings)
+            files.append(rec)
+            tensors.extend(trecs)
+        timings["total"] = time.perf_counter() - t0
+        return files, tensors, timings
+
+    def _close_writer(self) -> None:
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            writer.close()
+
+    def _close_block(self) -> None:
+        if self._block is not None:
+            if self._pinning.block is self._block:
+                self._pinning.release()
+            block, self._block = self._block, None
+            block.close()
+
+    def _close_store(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._owns_store:
+            self.store.close()
+
+    def _at_exit(self) -> None:
+        """Interpreter exit: drain and commit what is in flight; a failure that nobody saw must not end
+        the process with status 0 and no checkpoint (failure-modes rows 26, 30)."""
+        try:
+            self.close()
+        except BaseException as exc:  # noqa: BLE001
+            sys.stderr.write(f"ckptstore: a checkpoint failed and was never reported: {exc}\n")
+            sys.stderr.flush()
+            os._exit(70)

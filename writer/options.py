@@ -1,0 +1,57 @@
+"""Frozen options of a Checkpointer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from ckptstore.retention import Policy
+
+Mode = Literal["process", "thread", "inline"]
+Busy = Literal["skip", "wait"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriterOptions:
+    """How a :class:`~ckptstore.writer.Checkpointer` takes cuts.
+
+    ``mode``: "process" (default: a persistent niced writer subprocess), "thread" (a thread of the
+    trainer writes; for comparison) or "inline" (the call writes and commits; for debugging). All three
+    write byte-identical shards. ``busy``: what a due periodic cut does while the previous one is still
+    being written or committed: "skip" (default) or "wait". ``nice``: the writer process's nice level;
+    ``idle_io`` puts it in the idle I/O class; ``cpu_affinity`` pins it to those CPUs.
+    ``write_timeout``: seconds without progress after which a writer counts as hung (then it is killed
+    and the trainer writes the cut itself). ``events_path`` appends one JSON line per event.
+    """
+
+    every: int = 1
+    keep: Policy | None = None
+    compression: Literal["zstd"] | None = None
+    zstd_level: int = 1
+    mode: Mode = "process"
+    busy: Busy = "skip"
+    nice: int = 10
+    idle_io: bool = False
+    cpu_affinity: tuple[int, ...] | None = None
+    write_threads: int = 1
+    write_timeout: float = 600.0
+    handshake_timeout: float = 60.0
+    max_shard_bytes: int = 1 << 30
+    on_event: Callable[[dict[str, Any]], None] | None = None
+    events_path: str | None = None
+    device_copy: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError("every must be >= 1")
+        if self.mode not in ("process", "thread", "inline"):
+            raise ValueError(f"mode must be 'process', 'thread' or 'inline', got {self.mode!r}")
+        if self.busy not in ("skip", "wait"):
+            raise ValueError(f"busy must be 'skip' or 'wait', got {self.busy!r}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError("nice must be in [0, 19]")
+        if self.write_timeout <= 0 or self.handshake_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.compression not in (None, "zstd"):
+            raise ValueError("compression must be None or 'zstd'")

@@ -1,0 +1,158 @@
+"""Parent side of the writer process: spawn, handshake, one request at a time, liveness, shutdown.
+
+Every wait is bounded: a request waits for ``done``/``error`` frames with a timeout that each
+``progress`` frame renews; a dead writer (closed pipe, exit status) raises ``WriterDied`` at once, a
+silent one ``WriterTimeout`` after ``write_timeout`` (and is killed). ``close()`` asks for a shutdown,
+waits briefly, then kills: no zombie and no orphan survives it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from ckptstore.errors import CkptStoreError, StorageError
+
+from . import protocol as P
+from .errors import WriterDied, WriterError, WriterTimeout
+from .options import WriterOptions
+
+
+class WriterProcess:
+    """One persistent writer subprocess."""
+
+    def __init__(self, store_url: str, options: WriterOptions) -> None:
+        self.store_url = store_url
+        self.options = options
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        cmd = [sys.executable, "-m", "ckptstore.writer.worker", "--in-fd", str(req_r), "--out-fd", str(rep_w),
+               "--store", store_url, "--parent", str(os.getpid()), "--nice", str(options.nice)]
+        if options.idle_io:
+            cmd.append("--idle-io")
+        if options.cpu_affinity:
+            cmd += ["--cpus", ",".join(str(c) for c in options.cpu_affinity)]
+        try:
+            self.proc = subprocess.Popen(cmd, pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            os.close(req_r)
+            os.close(rep_w)
+        self._req = req_w
+        self._rep = rep_r
+        self.last_phase = "starting"
+        try:
+            hello = P.recv(self._rep, timeout=options.handshake_timeout)
+        except (TimeoutError, P.ChannelClosed) as exc:
+            self.kill()
+            raise WriterDied(f"writer process failed its handshake ({type(exc).__name__}); exit status "
+                             f"{self.proc.returncode}", store=store_url) from None
+        if not isinstance(hello, P.Hello):
+            self.kill()
+            raise WriterError(f"writer process sent {hello.kind!r} instead of hello", store=store_url)
+        self.hello = hello
+        self.pid = self.proc.pid
+        self.last_phase = "idle"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _death(self, step: int | None, cut: str | None) -> WriterDied:
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = self.proc.returncode
+        how = f"killed by signal {-code} ({signal.Signals(-code).name})" if code is not None and code < 0 else f"exit code {code}"
+        return WriterDied(f"writer process {self.pid} died while {self.last_phase} ({how})",
+                          step=step, store=self.store_url, cut=cut)
+
+    def write(self, req: P.WriteRequest) -> P.WriteDone:
+        """Sends one request and waits for its answer (bounded; see the module docstring)."""
+        self.last_phase = f"writing {req.cut}"
+        try:
+            P.send(self._req, req)
+        except P.ChannelClosed:
+            raise self._death(req.step, req.cut) from None
+        while True:
+            try:
+                msg = P.recv(self._rep, timeout=self.options.write_timeout)
+            except TimeoutError:
+                self.kill()
+                raise WriterTimeout(
+                    f"writer process {self.pid} made no progress for {self.options.write_timeout:.0f} s while "
+                    f"{self.last_phase}; killed it", step=req.step, store=self.store_url, cut=req.cut,
+                ) from None
+            except P.ChannelClosed:
+                raise self._death(req.step, req.cut) from None
+            if isinstance(msg, P.Progress):
+                self.last_phase = f"writing {req.cut} ({msg.bytes_done} bytes done)"
+                continue
+            if isinstance(msg, P.WriteDone) and msg.cut == req.cut:
+                self.last_phase = "idle"
+                return msg
+            if isinstance(msg, P.WriteFailed):
+                self.last_phase = "idle"
+                raise rebuild_error(msg, req.step)
+            raise WriterError(f"unexpected message {msg.kind!r} from writer", store=self.store_url, cut=req.cut)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Graceful shutdown, then kill. Idempotent."""
+        if self.proc.returncode is None:
+            try:
+                P.send(self._req, P.Shutdown())
+                self.proc.wait(timeout=timeout)
+            except (P.ChannelClosed, subprocess.TimeoutExpired, OSError):
+                self.kill()
+        self._close_fds()
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        for attr in ("_req", "_rep"):
+            fd = getattr(self, attr, -1)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(self, attr, -1)
+
+
+def rebuild_error(msg: P.WriteFailed, step: int) -> CkptStoreError:
+    """The writer's error, rebuilt with its class and fields where ckptstore knows the class."""
+    import ckptstore.errors as E
+
+    fields = {k: v for k, v in msg.fields.items() if k in ("store", "cut", "path", "hint") and v is not None}
+    cls = getattr(E, msg.error_type, None)
+    if isinstance(cls, type) and issubclass(cls, CkptStoreError):
+        if issubclass(cls, StorageError):
+            return cls(msg.message, errno=msg.fields.get("errno"), **fields)
+        try:
+            return cls(msg.message, **fields)
+        except TypeError:
+            pass
+    fields.setdefault("cut", msg.cut)
+    return WriterError(f"writer failed: {msg.error_type}: {msg.message}", step=step, **fields)
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """True once ``pid`` no longer exists (tests and leak checks)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.01)
+    return False

@@ -1,0 +1,128 @@
+"""The typed parent/worker protocol: small JSON frames over a pipe; tensors never travel here.
+
+Each frame is a u32 little-endian length and a UTF-8 JSON object with a ``kind``. The parent sends
+``write`` and ``shutdown``; the worker answers ``hello`` once (the handshake), then ``progress`` while
+it writes (liveness), ``done`` or ``error`` per request. Every message is a strict pydantic model:
+unknown kinds or fields are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import struct
+import time
+from typing import Any, Literal, Union
+
+from pydantic import Field, TypeAdapter
+
+from ckptstore.manifest import FileRecord, TensorRecord
+from ckptstore.models import StrictModel
+
+MAX_FRAME = 256 << 20
+
+
+class Hello(StrictModel):
+    kind: Literal["hello"] = "hello"
+    pid: int
+    nice: int
+    modules_with_torch: bool
+
+
+class SlotMsg(StrictModel):
+    name: str
+    kind: Literal["torch", "numpy"]
+    dtype: str
+    shape: list[int]
+    nbytes: int = Field(ge=0)
+    offset: int = Field(ge=0)
+
+
+class WriteRequest(StrictModel):
+    kind: Literal["write"] = "write"
+    cut: str
+    step: int
+    block: str
+    block_size: int
+    slots: list[SlotMsg]
+    shards: list[list[int]]  # slot indices per shard, in order
+    codec: Literal["none", "zstd"]
+    zstd_level: int = 1
+    rank: int = 0
+    # test-only fault injection: "exit-mid-shard" | "hang-mid-shard" | "sigkill-mid-shard"
+    fault: str | None = None
+
+
+class Progress(StrictModel):
+    kind: Literal["progress"] = "progress"
+    cut: str
+    bytes_done: int
+
+
+class WriteDone(StrictModel):
+    kind: Literal["done"] = "done"
+    cut: str
+    files: list[FileRecord]
+    tensors: list[TensorRecord]
+    timings: dict[str, float]
+
+
+class WriteFailed(StrictModel):
+    kind: Literal["error"] = "error"
+    cut: str | None
+    error_type: str
+    message: str
+    fields: dict[str, Any] = Field(default_factory=dict)
+
+
+class Shutdown(StrictModel):
+    kind: Literal["shutdown"] = "shutdown"
+
+
+Message = Union[Hello, WriteRequest, Progress, WriteDone, WriteFailed, Shutdown]
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(Message)
+
+
+class ChannelClosed(EOFError):
+    """The other end of the pipe is gone."""
+
+
+def send(fd: int, msg: StrictModel) -> None:
+    data = json.dumps(msg.model_dump(mode="json")).encode()
+    frame = struct.pack("<I", len(data)) + data
+    view = memoryview(frame)
+    while len(view):
+        try:
+            n = os.write(fd, view)
+        except BrokenPipeError as exc:
+            raise ChannelClosed("peer closed the pipe") from exc
+        view = view[n:]
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                raise TimeoutError
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            raise ChannelClosed("peer closed the pipe")
+        out += chunk
+    return bytes(out)
+
+
+def recv(fd: int, timeout: float | None = None) -> Message:
+    """The next message, or TimeoutError when none starts within ``timeout`` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    (n,) = struct.unpack("<I", _read_exact(fd, 4, deadline))
+    if n > MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes exceeds the protocol limit")
+    body = _read_exact(fd, n, None if deadline is None else max(deadline, time.monotonic() + 30))
+    doc = json.loads(body.decode())
+    return _ADAPTER.validate_python(doc, strict=False)

@@ -1,0 +1,181 @@
+"""The writer process: attaches the shared block, writes shards through the store's format, answers.
+
+Started once per Checkpointer as a fresh interpreter (``python -m ckptstore.writer.worker``, the
+spawn model: nothing inherited but two pipe ends), at nice 10. It never imports torch: everything it
+needs is bytes in the block plus the small request (names, dtypes, shapes, offsets). It never commits:
+the trainer's commit thread does that once the files are durable.
+
+It notices its parent's death two ways: the kernel sends it SIGTERM (PR_SET_PDEATHSIG), and the request
+pipe reaches EOF. Either way it unlinks the shared block (the parent can no longer do so) and exits
+without committing; the cut's mark stays, so the store's gc removes the partial files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from ckptstore.arrays import ArrayItem
+from ckptstore.errors import CkptStoreError
+from ckptstore.fs import Storage, open_storage
+from ckptstore.layout import shard_name
+from ckptstore.shards import Codec, write_shard
+
+from . import protocol as P
+from .shm import Block, unlink
+
+PR_SET_PDEATHSIG = 1
+IOPRIO_WHO_PROCESS = 1
+IOPRIO_CLASS_IDLE = 3
+_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
+
+
+class Worker:
+    def __init__(self, in_fd: int, out_fd: int, store_url: str, parent: int) -> None:
+        self.in_fd = in_fd
+        self.out_fd = out_fd
+        self.store_url = store_url
+        self.parent = parent
+        self.blocks: dict[str, Block] = {}
+        self.storage: Storage | None = None
+
+    # lifecycle -------------------------------------------------------------------------------------
+    def orphaned(self, *_: Any) -> None:
+        """The trainer is gone: unlink its blocks (nobody else will) and stop without committing."""
+        for name in list(self.blocks):
+            unlink(name)
+        os._exit(0)
+
+    def serve(self) -> int:
+        P.send(self.out_fd, P.Hello(pid=os.getpid(), nice=os.nice(0), modules_with_torch="torch" in sys.modules))
+        while True:
+            try:
+                msg = P.recv(self.in_fd)
+            except P.ChannelClosed:
+                self.orphaned()
+                return 0
+            if isinstance(msg, P.Shutdown):
+                for block in self.blocks.values():
+                    block.close()
+                return 0
+            if isinstance(msg, P.WriteRequest):
+                self.handle(msg)
+
+    # work ------------------------------------------------------------------------------------------
+    def block(self, name: str, size: int) -> Block:
+        if name not in self.blocks:
+            for old in list(self.blocks):  # the trainer grew its block: the old one is gone for good
+                self.blocks.pop(old).close()
+            self.blocks[name] = Block.attach(name, size)
+        return self.blocks[name]
+
+    def handle(self, req: P.WriteRequest) -> None:
+        try:
+            done = self.write(req)
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported, typed, to the parent
+            fields = {}
+            if isinstance(exc, CkptStoreError):
+                fields = {"store": exc.store, "cut": exc.cut, "path": exc.path, "hint": exc.hint,
+                          "errno": getattr(exc, "errno", None)}
+            P.send(self.out_fd, P.WriteFailed(cut=req.cut, error_type=type(exc).__name__, message=getattr(
+                exc, "message", str(exc)), fields=fields))
+            return
+        P.send(self.out_fd, done)
+
+    def write(self, req: P.WriteRequest) -> P.WriteDone:
+        t0 = time.perf_counter()
+        if self.storage is None:
+            self.storage = open_storage(self.store_url)
+        block = self.block(req.block, req.block_size)
+        codec = Codec(req.codec, req.zstd_level)
+        files, tensors = [], []
+        timings: dict[str, float] = {}
+        progress = _Progress(self.out_fd, req, self)
+        for i, idx in enumerate(req.shards):
+            items = [
+                ArrayItem(s.name, s.kind, s.dtype, tuple(s.shape), s.nbytes, block.view[s.offset : s.offset + s.nbytes])
+                for s in (req.slots[j] for j in idx)
+            ]
+            name = shard_name(req.rank, i, compressed=codec.name == "zstd")
+            rec, trecs = write_shard(self.storage, req.cut, name, req.rank, items, codec,
+                                     on_bytes=progress, timings=timings)
+            files.append(rec)
+            tensors.extend(trecs)
+        timings["total"] = time.perf_counter() - t0
+        return P.WriteDone(cut=req.cut, files=files, tensors=tensors, timings=timings)
+
+
+class _Progress:
+    """Sends a progress frame at most every 0.2 s (liveness), and runs test-only faults mid-shard."""
+
+    def __init__(self, fd: int, req: P.WriteRequest, worker: Worker) -> None:
+        self.fd = fd
+        self.req = req
+        self.worker = worker
+        self.done = 0
+        self.last = time.monotonic()
+        self.total = sum(s.nbytes for s in req.slots)
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.req.fault and self.done * 2 >= self.total:
+            _fault(self.req.fault)
+        now = time.monotonic()
+        if now - self.last >= 0.2:
+            self.last = now
+            P.send(self.fd, P.Progress(cut=self.req.cut, bytes_done=self.done))
+
+
+def _fault(kind: str) -> None:
+    if kind == "exit-mid-shard":
+        os._exit(17)
+    if kind == "sigkill-mid-shard":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang-mid-shard":
+        while True:
+            time.sleep(3600)
+    if kind == "raise-mid-shard":
+        raise PermissionError(13, "injected fault: permission denied")
+
+
+def _lower_priority(nice: int, idle_io: bool, cpus: list[int] | None) -> None:
+    os.nice(max(0, nice - os.nice(0)))
+    if idle_io:
+        nr = _SYS_IOPRIO_SET.get(os.uname().machine)
+        if nr is not None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.syscall(nr, IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << 13)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ckptstore.writer.worker")
+    ap.add_argument("--in-fd", type=int, required=True)
+    ap.add_argument("--out-fd", type=int, required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--nice", type=int, default=10)
+    ap.add_argument("--idle-io", action="store_true")
+    ap.add_argument("--cpus", default="")
+    args = ap.parse_args(argv)
+    worker = Worker(args.in_fd, args.out_fd, args.store, args.parent)
+    signal.signal(signal.SIGTERM, worker.orphaned)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != args.parent:  # the parent died before prctl took effect
+        return 0
+    _lower_priority(args.nice, args.idle_io, [int(c) for c in args.cpus.split(",") if c])
+    return worker.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
