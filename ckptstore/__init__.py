@@ -28,6 +28,7 @@ from .errors import (  # noqa: E402
 from .events import JsonLinesFile  # noqa: E402
 from .info import CutInfo  # noqa: E402
 from .options import StoreOptions  # noqa: E402
+from .resume import Resumed, capture_rng, restore, restore_rng, training_state  # noqa: E402
 from .retention import KeepEvery, KeepFinal, KeepLast, KeepTagged, Policy  # noqa: E402
 from .store import GcReport, Store, load  # noqa: E402
 from .verify import Finding, VerifyReport  # noqa: E402
@@ -38,6 +39,11 @@ __all__ = [
     "StoreOptions",
     "CutInfo",
     "load",
+    "restore",
+    "training_state",
+    "Resumed",
+    "capture_rng",
+    "restore_rng",
     "GcReport",
     "VerifyReport",
     "Finding",

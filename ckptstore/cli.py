@@ -14,7 +14,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from . import __version__
-from .errors import CkptStoreError, DataError, StorageError, StoreLocked, UsageError
+from .errors import CkptStoreError, CutNotFound, DataError, StorageError, StoreLocked, UsageError
 from .info import CutInfo
 from .retention import KeepEvery, KeepFinal, KeepLast, KeepTagged, Policy
 from .store import Store, open_for_repair
@@ -226,6 +226,60 @@ def cmd_repair(args: argparse.Namespace) -> int:
         store.close()
 
 
+def cmd_resume_info(args: argparse.Namespace) -> int:
+    from .resume import choose_cut
+
+    with Store.open(args.url, readonly=True) as store:
+        cls = store.classify()
+        try:
+            info, skipped, cls = choose_cut(store, fallback=True, record=False)
+        except CutNotFound as exc:
+            info, skipped = None, {"*": exc.message}
+        latest = cls.latest.cut if cls.latest is not None else None
+        healthy = cls.latest_problem is None and (info is None and not cls.committed or info is not None and info.id == latest)
+        doc = {"store": store.url, "resume_step": info.step if info else None, "cut": info.id if info else None,
+               "finished": bool(info.final) if info else False, "healthy": healthy, "latest": latest,
+               "latest_problem": cls.latest_problem,
+               "skipped": [{"cut": c, "reason": r} for c, r in skipped.items()]}
+        if info is None:
+            text = "empty store: start from scratch" if not cls.committed else "no committed cut verifies"
+        else:
+            text = (f"resume from step {info.step} ({info.id}); run {'finished' if info.final else 'interrupted'}; "
+                    f"LATEST {'healthy' if healthy else 'NOT healthy'}")
+        for c, r in skipped.items():
+            text += f"\n  skipped {c}: {r}"
+        emit(args, doc, text)
+        return EXIT_OK if healthy else EXIT_PROBLEM
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    with Store.open(args.url, readonly=True) as store:
+        a, b = store.manifest(_selector(args.cut_a)), store.manifest(_selector(args.cut_b))
+        ta = {t.name: (t.blake3, t.dtype, tuple(t.shape)) for t in a.tensors}
+        tb = {t.name: (t.blake3, t.dtype, tuple(t.shape)) for t in b.tensors}
+        doc = {"a": a.cut, "b": b.cut,
+               "changed": sorted(n for n in ta.keys() & tb.keys() if ta[n] != tb[n]),
+               "unchanged": sorted(n for n in ta.keys() & tb.keys() if ta[n] == tb[n]),
+               "added": sorted(tb.keys() - ta.keys()), "removed": sorted(ta.keys() - tb.keys())}
+        same = not (doc["changed"] or doc["added"] or doc["removed"])
+        rows = [[kind, n] for kind in ("changed", "added", "removed") for n in doc[kind]]
+        text = (table(["change", "tensor"], rows) + "\n" if rows else "") + (
+            f"{len(doc['changed'])} changed, {len(doc['unchanged'])} unchanged, {len(doc['added'])} added, "
+            f"{len(doc['removed'])} removed")
+        emit(args, doc, text)
+        return EXIT_OK if same else EXIT_PROBLEM
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_cut
+
+    with Store.open(args.url, readonly=True) as store:
+        doc = export_cut(store, _selector(args.cut), args.to, fmt=args.format,
+                         allow_pickle_format=args.allow_pickle_format)
+        emit(args, doc, f"exported {doc['cut']} ({doc['tensors']} tensors) to {doc['path']} as {doc['format']}")
+        return EXIT_OK
+
+
 # ------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptstore", description="Audit, list and maintain ckptstore stores.")
@@ -255,6 +309,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("gc", cmd_gc, "remove leftovers of interrupted saves and prunes (never foreign files)")
     sp.add_argument("--dry-run", action="store_true")
     add("repair", cmd_repair, "point LATEST at the newest cut that verifies")
+    add("resume-info", cmd_resume_info, "what a launcher needs: resume step, cut, finished, healthy")
+    sp = add("diff", cmd_diff, "which tensors changed between two cuts (by hash; exit 1 when they differ)")
+    sp.add_argument("cut_a")
+    sp.add_argument("cut_b")
+    sp = add("export", cmd_export, "write a cut as one safetensors or torch.save file")
+    sp.add_argument("cut", nargs="?", default=None)
+    sp.add_argument("--to", required=True, help="output file")
+    sp.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    sp.add_argument("--allow-pickle-format", action="store_true",
+                    help="needed for --format torch: torch.load unpickles what it reads")
     return p
 
 

@@ -24,7 +24,7 @@ from .errors import (
     StoreNotFound,
     UsageError,
 )
-from .events import Emitter
+from .events import Emitter, log
 from .fs import Storage, host_identity, open_storage
 from .info import CutInfo
 from .latest import StoreIdentity
@@ -192,12 +192,17 @@ class Store:
             raise UsageError(f"cut must be 'latest', a cut id or an int step, not {cut!r}", store=self.url)
         if isinstance(cut, int):
             matches = [m for m in cls.committed if m.step == cut]
+            broken = [exc for c, exc in sorted(cls.broken.items()) if layout.step_of_cut_id(c) == cut]
+            if not matches and broken:
+                raise broken[-1]  # damaged data is a DataError, not the caller's mistake (CutNotFound)
             if not matches:
                 raise CutNotFound(f"no committed cut at step {cut}", store=self.url,
                                   hint=f"committed steps: {[m.step for m in cls.committed][-10:]}")
             return matches[-1]
         layout.check_cut_id(cut, store=self.url)
         m = cls.find(cut)
+        if m is None and cut in cls.broken:
+            raise cls.broken[cut]
         if m is None:
             raise CutNotFound("no such committed cut", store=self.url, cut=cut)
         return m
@@ -210,8 +215,19 @@ class Store:
         verify: bool = True,
         keys: Sequence[str] | None = None,
         allow_pickle: bool = False,
+        fallback: bool = False,
     ) -> Any:
         """The state saved in a committed cut (see :func:`ckptstore.load`)."""
+        if fallback and cut == "latest":
+            from .resume import choose_cut
+
+            info, skipped, _ = choose_cut(self, fallback=True, record=True)
+            if info is None:
+                raise CutNotFound("the store has no committed cut yet", store=self.url)
+            for bad_cut, why in skipped.items():
+                self.events.emit("fallback-skipped", cut=bad_cut, reason=why)
+                log.warning("ckptstore: skipped cut %s of %s: %s", bad_cut, self.url, why)
+            cut = info.id
         m = self.manifest(cut)
         if m.pickled and not allow_pickle:
             from .errors import HostileInput
@@ -402,19 +418,29 @@ class Store:
         for m in reversed(cls.committed):
             report = verify_store(self.storage, cls, cut=m.cut, progress=progress)
             if report.ok or all(f.kind.startswith("latest-") for f in report.errors):
-                data = self.storage.read_bytes(layout.manifest_path(m.cut))
-                self.protocol.commit(m, hashing.digest(data))
-                self.storage.delete(layout.mark_path(m.cut), durable=True)
+                info = self.point_latest(m.cut)
                 self.events.emit("repaired", cut=m.cut, step=m.step)
-                return CutInfo.from_manifest(m)
+                return info
         if cls.committed:
             raise CorruptCut("no committed cut verifies; LATEST left as it was", store=self.url,
                              hint="run `ckptstore verify` to see what is damaged")
         self.storage.delete(layout.LATEST_FILE, durable=True)
         return None
 
+    def point_latest(self, cut: str) -> CutInfo:
+        """Durably points LATEST at a committed cut (repair, and resuming from a fallback cut so the next
+        saves continue from it), clearing a stale mark of that cut."""
+        self._require_writer("point_latest")
+        m = self.manifest(cut)
+        data = self.storage.read_bytes(layout.manifest_path(m.cut))
+        self.protocol.commit(m, hashing.digest(data))
+        self.storage.delete(layout.mark_path(m.cut), durable=True)
+        return CutInfo.from_manifest(m)
+
     def record_bad(self, cut: str, reason: str) -> None:
-        """Records that a committed cut failed verification, so restarts skip it (no retry loop)."""
+        """Records that a committed cut failed verification, so restarts skip it (no retry loop).
+        Allowed on readonly handles too: ``bad/`` is only ever added to, and writers never read it
+        for anything but skipping."""
         m = self.manifest(cut)
         bad = BadCut(cut=m.cut, step=m.step, reason=reason, recorded_at=now_iso())
         self.storage.write_durably(layout.bad_path(m.cut), bad.to_bytes())
@@ -433,6 +459,7 @@ def load(
     verify: bool = True,
     keys: Sequence[str] | None = None,
     allow_pickle: bool = False,
+    fallback: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """Loads a committed cut: "latest" (default), a cut id, or an int step.
@@ -440,8 +467,12 @@ def load(
     Every byte read is checked against the manifest's blake3 (``verify=False`` skips the hashes but
     never the size and header checks); a damaged or torn cut raises rather than returning. ``keys``
     loads only those top-level keys and reads only their bytes. ``map_location`` moves tensors.
+    ``fallback=True`` (with ``cut="latest"``) walks back from a LATEST that fails verification to the
+    newest cut that verifies, logs what it skipped and why, and records the bad cuts so no restart tries
+    them again.
     """
+    kw = dict(map_location=map_location, verify=verify, keys=keys, allow_pickle=allow_pickle, fallback=fallback)
     if isinstance(url, Store):
-        return url.load(cut, map_location=map_location, verify=verify, keys=keys, allow_pickle=allow_pickle)
+        return url.load(cut, **kw)  # type: ignore[arg-type]
     with Store.open(url, readonly=True, options=StoreOptions(storage_options=storage_options)) as store:
-        return store.load(cut, map_location=map_location, verify=verify, keys=keys, allow_pickle=allow_pickle)
+        return store.load(cut, **kw)  # type: ignore[arg-type]
