@@ -88,7 +88,7 @@ def finish_tensor(obj: Any, node: dict[str, Any], map_location: Any) -> Any:
         return obj
     import torch
 
-    if map_location is not None and str(map_location) != "cpu":
+    if map_location is not None and str(map_location) != "cpu" and str(obj.device) != str(map_location):
         obj = obj.to(map_location)
     if node.get("param"):
         obj = torch.nn.Parameter(obj, requires_grad=bool(node.get("requires_grad", True)))

@@ -13,7 +13,7 @@ from .arrays import empty_for, finish_tensor
 from .errors import CorruptCut, UsageError
 from .fs import Storage
 from .manifest import Manifest, TensorRecord
-from .shards import read_header, read_shard_into, read_tensor_range
+from .shards import check_header_matches, read_header, read_shard_into, read_tensor_range
 from .tree import leaf_names, unflatten
 
 
@@ -56,6 +56,9 @@ def load_manifest(
             continue
         if keys is not None and rec.codec == "none" and len(wanted) < len(in_file):
             header = read_header(storage, m.cut, rec)
+            # The same header checks as a full read, so a partial load never accepts a shard a full
+            # load refuses.
+            check_header_matches(header, in_file, {**where, "path": f"cuts/{m.cut}/{rec.name}"})
             for t in wanted:
                 obj, view = empty_for(t.kind, t.dtype, t.shape, t.nbytes)
                 read_tensor_range(storage, m.cut, rec, header, t, view, verify=verify)
@@ -72,6 +75,12 @@ def load_manifest(
             return scratch[t.name]
 
         read_shard_into(storage, m.cut, rec, in_file, dest, verify=verify)
+        if _on_device(map_location):
+            # Move this shard's tensors now, so host memory holds at most one shard (max_shard_bytes)
+            # at a time instead of the whole state.
+            for t in wanted:
+                if t.kind == "torch":
+                    objs[t.name] = objs[t.name].to(map_location)
 
     finished: dict[str, Any] = {}
 
@@ -82,3 +91,7 @@ def load_manifest(
         return finished[name]
 
     return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where)
+
+
+def _on_device(map_location: Any) -> bool:
+    return map_location is not None and str(map_location) != "cpu"
