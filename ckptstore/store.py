@@ -78,13 +78,13 @@ class Store:
     @classmethod
     def open(
         cls,
-        url: str,
+        url: str | Storage,
         *,
         create: bool = False,
         readonly: bool = False,
         options: StoreOptions | None = None,
     ) -> "Store":
-        """Opens the store at ``url`` (a path or fsspec URL).
+        """Opens the store at ``url`` (a path, an fsspec URL, or a :class:`~ckptstore.fs.Storage`).
 
         As a writer (default) it takes the writer lock (``StoreLocked`` if another writer has it) and
         recovers: leftovers of interrupted saves and prunes are removed, a stale mark beside a committed
@@ -101,15 +101,19 @@ class Store:
         return store
 
     @classmethod
-    def _open(cls, url: str, *, create: bool, readonly: bool, options: StoreOptions | None) -> "Store":
+    def _open(cls, url: str | Storage, *, create: bool, readonly: bool, options: StoreOptions | None) -> "Store":
         options = options or StoreOptions()
-        storage = open_storage(url, storage_options=options.storage_options)
+        # A Storage instance is accepted as is: custom backends, and the power-loss simulator in tests.
+        storage = url if isinstance(url, Storage) else open_storage(url, storage_options=options.storage_options)
         if not storage.exists(layout.STORE_FILE):
             if not create or readonly:
                 raise StoreNotFound("no ckptstore store here", store=storage.url, path=layout.STORE_FILE,
                                     hint="pass create=True to make one" if not readonly else None)
-            if storage.list_dir("") and storage.is_local:
-                foreign = [e.name for e in storage.list_dir("")]
+            # A directory holding only our own names is a creation that crashed before STORE.json
+            # was durable: finish it. Anything else is someone's data: never take it over.
+            foreign = [e.name for e in storage.list_dir("")
+                       if e.name not in layout.ROOT_ENTRIES and not layout.is_tmp_name(e.name)]
+            if foreign:
                 raise UsageError(f"refusing to create a store in a non-empty directory ({foreign[:3]})",
                                  store=storage.url)
             cls._create(storage)
