@@ -82,9 +82,20 @@ class CommitProtocol:
 
     def commit(self, manifest: Manifest, manifest_blake3: str) -> Pointer:
         pointer = Pointer(cut=manifest.cut, step=manifest.step, manifest_blake3=manifest_blake3)
-        self.storage.write_durably(layout.LATEST_FILE, pointer.to_bytes())
+        try:
+            self.storage.write_durably(layout.LATEST_FILE, pointer.to_bytes())
+        except StorageError as exc:
+            exc.cut = exc.cut or manifest.cut
+            raise
         self.phase("latest-written", manifest.cut)
         return pointer
+
+    def latest_names(self, cut: str) -> bool:
+        """Whether LATEST currently names ``cut`` (after a failed commit: did the rename land?)."""
+        try:
+            return Pointer.from_bytes(self.storage.read_bytes(layout.LATEST_FILE)).cut == cut
+        except Exception:  # noqa: BLE001 - unreadable counts as "not ours"
+            return False
 
     def end(self, cut: str) -> None:
         self.storage.delete(layout.mark_path(cut), durable=True)

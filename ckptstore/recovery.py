@@ -178,7 +178,11 @@ def classify(st: DiskState) -> Classification:
     if st.latest_error is not None:
         problem, kind = f"LATEST is unreadable: {st.latest_error.message}", "unreadable"
     elif st.latest is not None:
-        if latest_cut not in committed_ids:
+        if latest_cut in st.broken_manifests:
+            # Say why: "not a committed cut" alone hides that its manifest exists but is damaged.
+            exc = st.broken_manifests[latest_cut]
+            problem, kind = f"LATEST names {latest_cut}, whose manifest is damaged ({exc.path}: {exc.message})", "dangling"
+        elif latest_cut not in committed_ids:
             problem, kind = f"LATEST names {latest_cut}, which is not a committed cut", "dangling"
         elif st.manifest_hashes.get(latest_cut) != st.latest.manifest_blake3:
             problem, kind = f"LATEST's manifest hash does not match {latest_cut}'s manifest", "hash-mismatch"

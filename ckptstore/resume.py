@@ -14,7 +14,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CutNotFound, DataError, LatestError
+from .errors import CutNotFound, DataError, LatestError, StorageError
+from .events import log
 from .info import CutInfo
 from .recovery import Classification
 from .store import Store
@@ -107,8 +108,15 @@ def choose_cut(store: Store, *, fallback: bool, record: bool) -> tuple[CutInfo |
         errors = [f for f in report.errors if not f.kind.startswith("latest-")]
         if errors:
             skipped[m.cut] = f"{errors[0].kind}: {errors[0].message}"
-            if record and not store.readonly:
-                store.record_bad(m.cut, skipped[m.cut])
+            if record:
+                # Readers record too (``load(url, fallback=True)`` opens one): ``bad/`` is add-only, and
+                # without the record every restart re-verifies the bad cut.
+                try:
+                    store.record_bad(m.cut, skipped[m.cut])
+                except StorageError as exc:
+                    if not store.readonly:
+                        raise
+                    log.warning("ckptstore: could not record bad cut %s of %s: %s", m.cut, store.url, exc)
             continue
         return CutInfo.from_manifest(m), skipped, cls
     raise CutNotFound("no committed cut verifies", store=store.url, hint=f"skipped: {skipped}")

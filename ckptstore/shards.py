@@ -133,8 +133,10 @@ def write_shard(
         t0 = clock()
         sink.close()
         t_fsync = clock() - t0
-    except BaseException:
+    except BaseException as exc:
         sink.abort()
+        if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+            raise StorageError.from_os_error(exc, "writing shard", store=storage.url, cut=cut, path=rel) from exc
         raise
     if timings is not None:
         for key, value in (("hash", t_hash), ("write", t_write), ("fsync", t_fsync)):

@@ -326,6 +326,10 @@ class Store:
             self.protocol.abandon(cut)
             self._in_flight.discard(cut)
             self.events.emit("failed", cut=cut, step=step, error=str(exc), error_type=type(exc).__name__)
+            if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+                # A raw OSError from below the storage seam still names the store and the cut.
+                raise StorageError.from_os_error(exc, "saving", store=self.url, cut=cut,
+                                                 path=getattr(exc, "filename", None)) from exc
             raise
 
     def commit_manifest(self, manifest: Manifest) -> CutInfo:
@@ -342,10 +346,15 @@ class Store:
                 self.protocol.abandon(cut)
                 self.events.emit("failed", cut=cut, step=manifest.step, error=str(exc), error_type=type(exc).__name__)
                 raise
-            # From here LATEST may or may not name the cut if an error strikes (a rename that landed
-            # but whose directory fsync failed): the files are never removed, so either outcome is
-            # a whole cut; recovery on the next open settles which.
-            self.protocol.commit(manifest, digest)
+            try:
+                self.protocol.commit(manifest, digest)
+            except BaseException as exc:
+                # Did the rename land (only the directory fsync failed)? Then LATEST names a whole cut:
+                # keep it. Otherwise nothing names it and its files go now.
+                if not self.protocol.latest_names(cut):
+                    self.protocol.abandon(cut)
+                self.events.emit("failed", cut=cut, step=manifest.step, error=str(exc), error_type=type(exc).__name__)
+                raise
             try:
                 self.protocol.end(cut)
             except StorageError as exc:
