@@ -70,9 +70,8 @@ class Checkpointer:
         self._writer: WriterProcess | None = None
         self._current: CutHandle | None = None
         self._handles: list[CutHandle] = []
-        self._last_step: int | None = None
-        latest = self.store.latest()
-        self._last_step = latest.step if latest is not None else None
+        self.store.latest()  # a broken LATEST fails here, not at the first cut
+        self._last_step: int | None = None  # this checkpointer's last cut; None before its first
         self.skipped = 0
         self.waited = 0
         self._closed = False
@@ -125,7 +124,8 @@ class Checkpointer:
                 cleanup_errors.append(exc)
         self._raise_unreported()
         if cleanup_errors:
-            final = [h for h in self._handles if h.final and h.state == "committed"]
+            # The last cut taken, not _handles: _raise_unreported above drops committed handles from it.
+            final = [h for h in (self._current,) if h is not None and h.final and h.state == "committed"]
             note = f" (the final cut {final[-1].id} is committed and unaffected)" if final else ""
             raise WriterError(f"closing the checkpointer failed{note}: {cleanup_errors[0]}",
                               store=self.store.url) from cleanup_errors[0]
@@ -177,9 +177,14 @@ class Checkpointer:
             self.events.emit("waited", step=step, seconds=elapsed(t_wait), for_cut=current.id,
                              waited_total=self.waited)
             self._raise_unreported()
-        if self._last_step is not None and step <= self._last_step:
-            raise StepConflict(f"step {step} is not above the last cut's step {self._last_step}",
-                               store=self.store.url)
+        last = self._last_step
+        if last is None:
+            # Before the first cut, LATEST as it is now: ``restore(ck.store, fallback=True)`` may have
+            # moved it back to an older cut since construction (docs/resume.md).
+            latest = self.store.latest()
+            last = latest.step if latest is not None else None
+        if last is not None and step <= last:
+            raise StepConflict(f"step {step} is not above the last cut's step {last}", store=self.store.url)
         handle = CutHandle(step, layout.new_cut_id(step), final)
         try:
             captured = capture(state, self._block_for, allow_pickle=allow_pickle,
@@ -229,6 +234,7 @@ class Checkpointer:
             self.store.begin_cut(handle.id, handle.step, f"checkpointer:{self.options.mode}")
             captured.ready()
             files, tensors, timings = self._write(handle, captured)
+            self.store.protocol.shards_done(handle.id)
             handle.timings.update(timings)
             self.events.emit("written", step=handle.step, cut=handle.id, bytes=sum(f.nbytes for f in files),
                              timings={k: round(v, 6) for k, v in timings.items()}, writer_mode=self.options.mode,
@@ -267,8 +273,11 @@ class Checkpointer:
         if self.options.mode == "process":
             fault, self._fault_next = self._fault_next, None
             try:
-                if self._writer is None or not self._writer.alive:
-                    self._close_writer()
+                if self._writer is not None and not self._writer.alive:
+                    # It died between cuts (OOM killer, operator): handled like a death mid-cut, with a
+                    # fallback event naming it; a silent respawn would hide it. The next cut gets a new one.
+                    raise self._writer._death(handle.step, handle.id)
+                if self._writer is None:
                     self._writer = self._start_writer()
                 done = self._writer.write(req.model_copy(update={"fault": fault}))
                 return done.files, done.tensors, dict(done.timings)

@@ -1,0 +1,152 @@
+"""Random soak: a trainer with the Checkpointer in process mode, SIGKILLed at random moments (and its
+writer SIGKILLed at random moments), restarted, many times. Every restart checks the invariant and that
+training resumed from LATEST's step.
+
+    python tests/crash/soak.py STORE_DIR --seconds 1800 [--seed N]    # the long run
+The test suite runs a short one (tests/crash/test_soak.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import ckptstore
+from ckptstore.writer.shm import leftover_segments
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAINER = os.path.join(HERE, "soak_trainer.py")
+
+
+@dataclass
+class SoakReport:
+    restarts: int = 0
+    writer_kills: int = 0
+    committed: int = 0
+    resumed_steps: list[int] = field(default_factory=list)
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.02)
+    return False
+
+
+def check_store(root: str, committed_max: int | None) -> int | None:
+    """The invariant after a kill; returns LATEST's step."""
+    with ckptstore.Store.open(root, readonly=True) as reader:
+        cls = reader.classify()
+        assert cls.latest_problem is None, cls.latest_problem
+        latest = reader.latest()
+        assert reader.verify().ok, [f.message for f in reader.verify().errors]
+    step = latest.step if latest else None
+    if committed_max is not None:
+        assert step is not None and step >= committed_max, f"committed step {committed_max} lost (LATEST {step})"
+    if step is not None:
+        st = ckptstore.load(root)
+        assert st["step"] == step and np.all(st["w"] == step), "LATEST's state is not the state of its step"
+    return step
+
+
+def run_once(root: str, rng: random.Random, report: SoakReport, *, max_run: float) -> None:
+    proc = subprocess.Popen([sys.executable, TRAINER, root], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    kill_at = time.monotonic() + rng.uniform(0.3, max_run)
+    writer_kill_at = time.monotonic() + rng.uniform(0.1, max_run) if rng.random() < 0.4 else None
+    writer_pid = None
+    committed_max = None
+    resumed = None
+    buf = ""
+    fd = proc.stdout.fileno()
+    os.set_blocking(fd, False)
+    while time.monotonic() < kill_at and proc.poll() is None:
+        ready, _, _ = select.select([fd], [], [], 0.05)
+        if ready:
+            chunk = os.read(fd, 1 << 16).decode()
+            buf += chunk
+            *lines, buf = buf.split("\n")
+            for line in lines:
+                ev = json.loads(line)
+                if ev["event"] == "resumed":
+                    resumed = ev["step"]
+                elif ev["event"] == "writer":
+                    writer_pid = ev["pid"]
+                elif ev["event"] == "committed":
+                    committed_max = ev["step"]
+                    report.committed += 1
+        if writer_kill_at is not None and time.monotonic() >= writer_kill_at and writer_pid:
+            try:
+                os.kill(writer_pid, signal.SIGKILL)
+                report.writer_kills += 1
+            except ProcessLookupError:
+                pass
+            writer_kill_at = None
+    assert proc.poll() is None, f"trainer exited on its own with {proc.returncode}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    # read what the trainer printed before it died
+    os.set_blocking(fd, True)
+    for line in (buf + proc.stdout.read()).splitlines():
+        ev = json.loads(line)
+        if ev["event"] == "committed":
+            committed_max = ev["step"]
+        elif ev["event"] == "writer":
+            writer_pid = ev["pid"]
+    report.restarts += 1
+    if resumed is not None:
+        report.resumed_steps.append(resumed)
+    # the writer notices its parent's death and leaves no shared memory behind
+    if writer_pid:
+        assert _gone(writer_pid, 15), f"writer {writer_pid} outlived its trainer"
+    assert leftover_segments(proc.pid) == [], leftover_segments(proc.pid)
+    latest = check_store(root, committed_max)
+    report.last_latest = latest  # type: ignore[attr-defined]
+
+
+def soak(root: str, *, seconds: float, seed: int = 0, max_run: float = 2.0) -> SoakReport:
+    rng = random.Random(seed)
+    report = SoakReport()
+    deadline = time.monotonic() + seconds
+    expected_resume = None
+    while time.monotonic() < deadline:
+        before = check_store(root, None) if os.path.exists(os.path.join(root, "STORE.json")) else None
+        expected_resume = before if before is not None else 0
+        run_once(root, rng, report, max_run=max_run)
+        if report.resumed_steps:
+            assert report.resumed_steps[-1] == expected_resume, (
+                f"resumed at {report.resumed_steps[-1]}, LATEST was {expected_resume}")
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("store")
+    ap.add_argument("--seconds", type=float, default=1800)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rep = soak(args.store, seconds=args.seconds, seed=args.seed)
+    print(json.dumps(rep.__dict__))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

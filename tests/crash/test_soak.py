@@ -1,0 +1,58 @@
+"""The short soak (about a minute) and the kill sweep over the commit thread's protocol phases with the
+writer in process mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.protocol import SAVE_PHASES
+from ckptstore.writer.shm import leftover_segments
+
+from .soak import TRAINER, _gone, check_store, soak
+
+
+def test_short_soak(tmp_path):
+    rep = soak(str(tmp_path / "store"), seconds=45, seed=1234, max_run=2.0)
+    assert rep.restarts >= 5
+    assert rep.committed > 0
+    assert len(rep.resumed_steps) == rep.restarts
+    assert max(rep.resumed_steps) > 0  # later runs really resumed from committed cuts
+
+
+# "shard-written" fires where shards are written: in the writer process here (its deaths are covered
+# by the writer's fault tests and the soak), so the trainer-side sweep takes every other phase.
+@pytest.mark.parametrize("phase", [p for p in SAVE_PHASES if p != "shard-written"]
+                         + ["prune-uncommitted", "prune-files-deleted"])
+def test_kill_trainer_at_each_phase_of_a_background_cut(tmp_path, phase):
+    root = str(tmp_path / "store")
+    # The 3rd occurrence: the first cuts commit, then the trainer dies inside a later one.
+    proc = subprocess.run([sys.executable, TRAINER, root, "--steps", "50", "--size", "20000", "--busy", "wait",
+                           "--kill-at", f"{phase}:3"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    committed = [e["step"] for e in events if e["event"] == "committed"]
+    writers = [e["pid"] for e in events if e["event"] == "writer" and e["pid"]]
+    assert writers and all(_gone(pid, 15) for pid in writers)  # no orphan writer
+    latest = check_store(root, max(committed) if committed else None)
+    with ckptstore.Store.open(root) as store:  # recovery
+        assert store.classify().leftovers == []
+        assert store.latest().step == latest
+    # the next run resumes from LATEST and continues into the same store
+    out = subprocess.run([sys.executable, TRAINER, root, "--steps", str((latest or 0) + 3), "--size", "20000"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ev = [json.loads(line) for line in out.stdout.splitlines()]
+    assert ev[0] == {"event": "resumed", "step": latest or 0}
+    assert ckptstore.Store.open(root, readonly=True).latest().final
+
+
+def test_no_shared_memory_left_by_killed_trainers():
+    assert leftover_segments(os.getpid()) == []
+    _ = np  # states are numpy-only so these subprocesses start without torch
