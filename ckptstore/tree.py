@@ -23,6 +23,7 @@ from typing import Any, Callable
 from .errors import CorruptCut, HostileInput, UnsupportedValue
 
 MAX_DEPTH = 200
+MAX_NAME = 4000  # array names (key paths) stay below the manifest's 4096-character bound
 
 
 @dataclass
@@ -84,6 +85,8 @@ class _Flattener:
 
     def _name(self, path: tuple[Any, ...]) -> str:
         base = _key_path(path)
+        if len(base) > MAX_NAME:
+            raise UnsupportedValue(f"key path {base[:80]!r}... is {len(base)} characters; the limit is {MAX_NAME}")
         name, n = base, 1
         while name in self.names:
             n += 1

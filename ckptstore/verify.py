@@ -16,6 +16,7 @@ from .fs import Storage
 from .manifest import FileRecord, Manifest
 from .recovery import Classification
 from .shards import check_header_matches, read_header, read_shard_into
+from .tree import has_pickle, leaf_names
 
 Progress = Callable[[int], None]
 
@@ -93,6 +94,18 @@ def verify_file(storage: Storage, m: Manifest, rec: FileRecord, progress: Progre
     return []
 
 
+def tree_problem(m: Manifest) -> str | None:
+    """Why a manifest's tree could not be loaded (names no recorded array, or holds a pickle the
+    manifest does not declare), or None. Checked without loading anything."""
+    names = set(leaf_names(m.tree))
+    unknown = names - {t.name for t in m.tensors}
+    if unknown:
+        return f"tree names arrays the manifest does not record: {sorted(unknown)[:3]}"
+    if has_pickle(m.tree) and not m.pickled:
+        return "tree holds a pickled value the manifest does not declare (hostile or damaged)"
+    return None
+
+
 def verify_store(
     storage: Storage,
     cls: Classification,
@@ -114,6 +127,9 @@ def verify_store(
     targets = cls.committed if cut is None else [m for m in cls.committed if m.cut == cut]
     for m in targets:
         report.cuts_checked.append(m.cut)
+        problem = tree_problem(m)
+        if problem is not None:
+            add(Finding("error", "tree-invalid", problem, m.cut, layout.manifest_path(m.cut)))
         for rec in m.files:
             report.findings.extend(verify_file(storage, m, rec, progress))
             report.files_checked += 1
