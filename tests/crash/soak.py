@@ -67,11 +67,16 @@ def check_store(root: str, committed_max: int | None) -> int | None:
     return step
 
 
-def run_once(root: str, rng: random.Random, report: SoakReport, *, max_run: float) -> None:
+def run_once(root: str, rng: random.Random, report: SoakReport, *, max_run: float) -> int:
+    """One trainer run killed at a random moment; returns the step it resumed from."""
     proc = subprocess.Popen([sys.executable, TRAINER, root], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    kill_at = time.monotonic() + rng.uniform(0.3, max_run)
-    writer_kill_at = time.monotonic() + rng.uniform(0.1, max_run) if rng.random() < 0.4 else None
+    # The random kill moment counts from the trainer's "resumed" line, so a slow start (a loaded
+    # machine) never turns into a kill before the run began.
+    run_for = rng.uniform(0.3, max_run)
+    writer_after = rng.uniform(0.1, max_run) if rng.random() < 0.4 else None
+    kill_at = time.monotonic() + 120.0
+    writer_kill_at = None
     writer_pid = None
     committed_max = None
     resumed = None
@@ -88,6 +93,9 @@ def run_once(root: str, rng: random.Random, report: SoakReport, *, max_run: floa
                 ev = json.loads(line)
                 if ev["event"] == "resumed":
                     resumed = ev["step"]
+                    kill_at = time.monotonic() + run_for
+                    if writer_after is not None:
+                        writer_kill_at = time.monotonic() + writer_after
                 elif ev["event"] == "writer":
                     writer_pid = ev["pid"]
                 elif ev["event"] == "committed":
@@ -112,28 +120,25 @@ def run_once(root: str, rng: random.Random, report: SoakReport, *, max_run: floa
         elif ev["event"] == "writer":
             writer_pid = ev["pid"]
     report.restarts += 1
-    if resumed is not None:
-        report.resumed_steps.append(resumed)
+    assert resumed is not None, "the trainer was killed before it resumed"
+    report.resumed_steps.append(resumed)
     # the writer notices its parent's death and leaves no shared memory behind
     if writer_pid:
         assert _gone(writer_pid, 15), f"writer {writer_pid} outlived its trainer"
     assert leftover_segments(proc.pid) == [], leftover_segments(proc.pid)
-    latest = check_store(root, committed_max)
-    report.last_latest = latest  # type: ignore[attr-defined]
+    check_store(root, committed_max)
+    return resumed
 
 
 def soak(root: str, *, seconds: float, seed: int = 0, max_run: float = 2.0) -> SoakReport:
     rng = random.Random(seed)
     report = SoakReport()
     deadline = time.monotonic() + seconds
-    expected_resume = None
     while time.monotonic() < deadline:
         before = check_store(root, None) if os.path.exists(os.path.join(root, "STORE.json")) else None
         expected_resume = before if before is not None else 0
-        run_once(root, rng, report, max_run=max_run)
-        if report.resumed_steps:
-            assert report.resumed_steps[-1] == expected_resume, (
-                f"resumed at {report.resumed_steps[-1]}, LATEST was {expected_resume}")
+        resumed = run_once(root, rng, report, max_run=max_run)
+        assert resumed == expected_resume, f"resumed at {resumed}, LATEST was {expected_resume}"
     return report
 
 
