@@ -52,11 +52,17 @@ class CutHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def _move(self, new: str) -> None:
+    def _move(self, new: str, *, info: CutInfo | None = None, error: BaseException | None = None) -> None:
         with self._lock:
             if new not in _ALLOWED.get(self._state, set()):
                 raise IllegalTransition(f"cut {self.id}: {self._state} -> {new} is not allowed", step=self.step,
                                         cut=self.id)
+            # Outcome fields only after the check: a refused move must not change a terminal outcome
+            # (a late to_failed on a committed cut would otherwise make its wait() raise).
+            if info is not None:
+                self._info = info
+            if error is not None:
+                self._error = error
             self._state = new
             if new in TERMINAL:
                 self._done.set()
@@ -68,16 +74,13 @@ class CutHandle:
         self._move(COMMITTING)
 
     def to_committed(self, info: CutInfo) -> None:
-        self._info = info
-        self._move(COMMITTED)
+        self._move(COMMITTED, info=info)
 
     def to_failed(self, error: BaseException) -> None:
-        self._error = error
-        self._move(FAILED)
+        self._move(FAILED, error=error)
 
     def to_aborted(self, reason: str) -> None:
-        self._error = WriterError(f"cut aborted: {reason}", step=self.step, cut=self.id)
-        self._move(ABORTED)
+        self._move(ABORTED, error=WriterError(f"cut aborted: {reason}", step=self.step, cut=self.id))
 
     def wait(self, timeout: float | None = None) -> CutInfo:
         """Blocks until the cut is committed (returns its CutInfo) or failed (raises its error)."""
