@@ -279,7 +279,8 @@ class Checkpointer:
                     raise self._writer._death(handle.step, handle.id)
                 if self._writer is None:
                     self._writer = self._start_writer()
-                done = self._writer.write(req.model_copy(update={"fault": fault}))
+                assert self._block is not None
+                done = self._writer.write(req.model_copy(update={"fault": fault}), self._block.fd)
                 return done.files, done.tensors, dict(done.timings)
             except (WriterDied, WriterTimeout) as exc:
                 handle.fallback = str(exc)

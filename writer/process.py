@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,21 +28,21 @@ class WriterProcess:
     def __init__(self, store_url: str, options: WriterOptions) -> None:
         self.store_url = store_url
         self.options = options
-        req_r, req_w = os.pipe()
-        rep_r, rep_w = os.pipe()
-        cmd = [sys.executable, "-m", "ckptstore.writer.worker", "--in-fd", str(req_r), "--out-fd", str(rep_w),
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        cmd = [sys.executable, "-m", "ckptstore.writer.worker", "--sock-fd", str(child_end.fileno()),
                "--store", store_url, "--parent", str(os.getpid()), "--nice", str(options.nice)]
         if options.idle_io:
             cmd.append("--idle-io")
         if options.cpu_affinity:
             cmd += ["--cpus", ",".join(str(c) for c in options.cpu_affinity)]
         try:
-            self.proc = subprocess.Popen(cmd, pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL, close_fds=True)
+            self.proc = subprocess.Popen(cmd, pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL,
+                                         close_fds=True)
         finally:
-            os.close(req_r)
-            os.close(rep_w)
-        self._req = req_w
-        self._rep = rep_r
+            child_end.close()
+        self._sock = parent_end
+        self._req = self._rep = parent_end.fileno()
+        self._block_sent: str | None = None
         self.last_phase = "starting"
         try:
             hello = P.recv(self._rep, timeout=options.handshake_timeout)
@@ -70,12 +71,16 @@ class WriterProcess:
         return WriterDied(f"writer process {self.pid} died while {self.last_phase} ({how})",
                           step=step, store=self.store_url, cut=cut)
 
-    def write(self, req: P.WriteRequest) -> P.WriteDone:
-        """Sends one request and waits for its answer (bounded; see the module docstring)."""
+    def write(self, req: P.WriteRequest, block_fd: int) -> P.WriteDone:
+        """Sends one request (and the block's descriptor, the first time this writer sees that block)
+        and waits for its answer (bounded; see the module docstring)."""
         self.last_phase = f"writing {req.cut}"
         try:
             P.send(self._req, req)
-        except P.ChannelClosed:
+            if self._block_sent != req.block:
+                P.send_fd(self._req, block_fd)
+                self._block_sent = req.block
+        except (P.ChannelClosed, OSError):
             raise self._death(req.step, req.cut) from None
         while True:
             try:
@@ -119,14 +124,11 @@ class WriterProcess:
         self._close_fds()
 
     def _close_fds(self) -> None:
-        for attr in ("_req", "_rep"):
-            fd = getattr(self, attr, -1)
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-                setattr(self, attr, -1)
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.close()
+            self._sock = None
+            self._req = self._rep = -1
 
 
 def rebuild_error(msg: P.WriteFailed, step: int) -> CkptStoreError:

@@ -1,9 +1,11 @@
 """The typed parent/worker protocol: small JSON frames over a pipe; tensors never travel here.
 
-Each frame is a u32 little-endian length and a UTF-8 JSON object with a ``kind``. The parent sends
-``write`` and ``shutdown``; the worker answers ``hello`` once (the handshake), then ``progress`` while
-it writes (liveness), ``done`` or ``error`` per request. Every message is a strict pydantic model:
-unknown kinds or fields are refused.
+Each frame is a u32 little-endian length and a UTF-8 JSON object with a ``kind``, over one Unix
+socket pair. The parent sends ``write`` and ``shutdown``; the worker answers ``hello`` once (the
+handshake), then ``progress`` while it writes (liveness), ``done`` or ``error`` per request. Every
+message is a strict pydantic model: unknown kinds or fields are refused. When a ``write`` names a block
+the worker has not seen, the frame is followed by one byte carrying the block's file descriptor
+(SCM_RIGHTS): the block has no name to attach by (see ``shm.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import socket
 import struct
 import time
 from typing import Any, Literal, Union
@@ -126,3 +129,28 @@ def recv(fd: int, timeout: float | None = None) -> Message:
     body = _read_exact(fd, n, None if deadline is None else max(deadline, time.monotonic() + 30))
     doc = json.loads(body.decode())
     return _ADAPTER.validate_python(doc, strict=False)
+
+
+def send_fd(sock_fd: int, fd: int) -> None:
+    """Sends one file descriptor (with a one-byte carrier) right after a frame."""
+    sock = socket.socket(fileno=sock_fd)
+    try:
+        socket.send_fds(sock, [b"F"], [fd])
+    except BrokenPipeError as exc:
+        raise ChannelClosed("peer closed the socket") from exc
+    finally:
+        sock.detach()
+
+
+def recv_fd(sock_fd: int) -> int:
+    """Receives the file descriptor that follows a frame."""
+    sock = socket.socket(fileno=sock_fd)
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
+    finally:
+        sock.detach()
+    if data != b"F" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ChannelClosed("expected a file descriptor from the parent")
+    return fds[0]

@@ -1,10 +1,14 @@
-"""The shared-memory block: created once, prefaulted, reused for every cut, unlinked at close.
+"""The shared-memory block: created once, prefaulted, reused for every cut, freed at close.
 
-The block is a file in /dev/shm that the trainer maps and the writer process attaches by name.
-Space is reserved with posix_fallocate when it is created, so a /dev/shm too small for the state fails
-there with a clear ``ShmTooSmall`` (naming the container setting), never with SIGBUS mid-copy.
-Python's multiprocessing.shared_memory is not used: its resource tracker unlinks segments that another
-process attached to when that process exits.
+The block is a file on /dev/shm that is **unlinked the moment it is created**: the trainer keeps its
+file descriptor and hands it to the writer process over a Unix socket (SCM_RIGHTS). No name exists
+for it, so nothing can outlive the two processes: when both are gone, SIGKILL included, the kernel frees
+the memory. (A name in /dev/shm would need a live process to unlink it, and a trainer killed between
+creating a block and handing it over would leak one.)
+
+It lives on /dev/shm rather than memfd on purpose: /dev/shm is the size-limited mount containers
+configure, so ``posix_fallocate`` fails there with ENOSPC when the state does not fit, which becomes a
+clear ``ShmTooSmall`` naming the setting, never SIGBUS mid-copy and never the OOM killer.
 """
 
 from __future__ import annotations
@@ -21,45 +25,39 @@ PREFIX = "ckptstore-"
 
 
 class Block:
-    """A mapped shared-memory file. ``view`` is a writable memoryview of all of it."""
+    """A mapped shared-memory file. ``view`` is a writable memoryview of all of it; ``fd`` is what the
+    writer process attaches."""
 
     def __init__(self, name: str, size: int, fd: int, owner: bool) -> None:
         self.name = name
         self.size = size
-        self._fd = fd
+        self.fd = fd
         self.owner = owner
         self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = memoryview(self.map)
-        os.close(fd)
-        self._fd = -1
-
-    @property
-    def path(self) -> str:
-        return os.path.join(SHM_DIR, self.name)
 
     @classmethod
     def create(cls, size: int, *, prefault: bool = True) -> "Block":
+        reap_stale()
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.unlink(path)  # from here on only file descriptors keep it alive
         try:
             os.ftruncate(fd, size)
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    free = shm_free_bytes()
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                     raise ShmTooSmall(
-                        f"/dev/shm cannot hold the state: {size} bytes needed, {free} free",
+                        f"/dev/shm cannot hold the state: {size} bytes needed, {shm_free_bytes()} free",
                         path=path,
-                        hint="raise the shared-memory limit (docker run --shm-size=<state size + 10%>, or a "
-                        "larger /dev/shm mount in Kubernetes: an emptyDir with medium Memory)",
+                        hint="raise the shared-memory limit (docker run --shm-size=<state size + 10%>; in "
+                        "Kubernetes mount an emptyDir with medium: Memory at /dev/shm)",
                     ) from None
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
+                raise
         except BaseException:
             os.close(fd)
-            os.unlink(path)
             raise
         block = cls(name, size, fd, owner=True)
         if prefault:
@@ -67,15 +65,16 @@ class Block:
         return block
 
     @classmethod
-    def attach(cls, name: str, size: int) -> "Block":
-        if "/" in name or not name.startswith(PREFIX):
-            raise ValueError(f"refusing shared-memory name {name!r}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    def attach(cls, fd: int, size: int, name: str = "attached") -> "Block":
+        """Maps a block received as a file descriptor (the writer process's side); takes the fd."""
+        if os.fstat(fd).st_size < size:
+            os.close(fd)
+            raise ValueError(f"shared block {name} is smaller than {size} bytes")
         return cls(name, size, fd, owner=False)
 
     def prefault(self) -> None:
-        """Touches every page once (first touch of fresh memory is slow on this VM class, and costs the
-        capture otherwise)."""
+        """Touches every page once (first touch of fresh memory is slow on this VM class, and would
+        otherwise be paid by the first capture)."""
         step = 64 << 20
         zeros = bytes(min(step, self.size))
         for start in range(0, self.size, step):
@@ -83,7 +82,7 @@ class Block:
             self.view[start:end] = zeros[: end - start]
 
     def close(self) -> None:
-        """Unmaps; the owner also unlinks the name. Idempotent."""
+        """Unmaps and closes the descriptor. Idempotent."""
         try:
             self.view.release()
         except Exception:  # noqa: BLE001 - exported views may still exist; the map closes with them
@@ -92,16 +91,9 @@ class Block:
             self.map.close()
         except BufferError:
             pass
-        if self.owner:
-            unlink(self.name)
-            self.owner = False
-
-
-def unlink(name: str) -> None:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def shm_free_bytes() -> int:
@@ -109,10 +101,60 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def leftover_segments(pid: int | None = None) -> list[str]:
-    """Blocks in /dev/shm made by ckptstore (of one pid, if given), for leak checks."""
-    pre = PREFIX if pid is None else f"{PREFIX}{pid}-"
+def _pid_alive(pid: int) -> bool:
     try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(pre))
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_stale() -> list[str]:
+    """Removes names that a process killed in the microseconds between create and unlink left."""
+    removed = []
+    for name in _names():
+        try:
+            pid = int(name[len(PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _names() -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
     except FileNotFoundError:
         return []
+
+
+def leftover_segments(pid: int | None = None) -> list[str]:
+    """Blocks made by ckptstore (by one pid, if given) that still exist: names in /dev/shm, or
+    unlinked blocks some process still holds open or mapped (found through /proc). For leak checks."""
+    tag = PREFIX if pid is None else f"{PREFIX}{pid}-"
+    found = {n for n in _names() if n.startswith(tag)}
+    marker = f"{SHM_DIR}/{tag}"
+    for proc in os.listdir("/proc"):
+        if not proc.isdigit():
+            continue
+        for sub in ("fd", "map_files"):
+            base = f"/proc/{proc}/{sub}"
+            try:
+                entries = os.listdir(base)
+            except OSError:
+                continue
+            for entry in entries:
+                try:
+                    target = os.readlink(f"{base}/{entry}")
+                except OSError:
+                    continue
+                if target.startswith(marker):
+                    found.add(target[len(SHM_DIR) + 1:].split(" ", 1)[0])
+    return sorted(found)

@@ -1,13 +1,15 @@
 """The writer process: attaches the shared block, writes shards through the store's format, answers.
 
 Started once per Checkpointer as a fresh interpreter (``python -m ckptstore.writer.worker``, the
-spawn model: nothing inherited but two pipe ends), at nice 10. It never imports torch: everything it
+spawn model: nothing inherited but one end of a Unix socket pair), at nice 10. It never imports torch: everything it
 needs is bytes in the block plus the small request (names, dtypes, shapes, offsets). It never commits:
 the trainer's commit thread does that once the files are durable.
 
-It notices its parent's death two ways: the kernel sends it SIGTERM (PR_SET_PDEATHSIG), and the request
-pipe reaches EOF. Either way it unlinks the shared block (the parent can no longer do so) and exits
-without committing; the cut's mark stays, so the store's gc removes the partial files.
+It notices its parent's death two ways: the socket reaches EOF, and a watchdog thread sees its parent
+pid change (even while a shard is being written). Either way it exits at once without committing; the
+shared block has no name, so the kernel frees it with the last mapping; the cut's mark stays, so the
+store's gc removes the partial files. (PR_SET_PDEATHSIG is not used: it fires when the *thread* that
+started the process ends, such as a commit thread, not only when the trainer dies.)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -27,18 +30,16 @@ from ckptstore.layout import shard_name
 from ckptstore.shards import Codec, write_shard
 
 from . import protocol as P
-from .shm import Block, unlink
+from .shm import Block
 
-PR_SET_PDEATHSIG = 1
 IOPRIO_WHO_PROCESS = 1
 IOPRIO_CLASS_IDLE = 3
 _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 
 
 class Worker:
-    def __init__(self, in_fd: int, out_fd: int, store_url: str, parent: int) -> None:
-        self.in_fd = in_fd
-        self.out_fd = out_fd
+    def __init__(self, sock_fd: int, store_url: str, parent: int) -> None:
+        self.sock = sock_fd
         self.store_url = store_url
         self.parent = parent
         self.blocks: dict[str, Block] = {}
@@ -46,16 +47,23 @@ class Worker:
 
     # lifecycle -------------------------------------------------------------------------------------
     def orphaned(self, *_: Any) -> None:
-        """The trainer is gone: unlink its blocks (nobody else will) and stop without committing."""
-        for name in list(self.blocks):
-            unlink(name)
+        """The trainer is gone: stop at once without committing (the kernel frees the block)."""
         os._exit(0)
 
+    def watch_parent(self, interval: float = 0.2) -> None:
+        """Runs in a daemon thread: exits the process as soon as the parent is gone."""
+        while True:
+            if os.getppid() != self.parent:
+                self.orphaned()
+            time.sleep(interval)
+
     def serve(self) -> int:
-        P.send(self.out_fd, P.Hello(pid=os.getpid(), nice=os.nice(0), modules_with_torch="torch" in sys.modules))
+        self.send(P.Hello(pid=os.getpid(), nice=os.nice(0), modules_with_torch="torch" in sys.modules))
         while True:
             try:
-                msg = P.recv(self.in_fd)
+                msg = P.recv(self.sock)
+                if isinstance(msg, P.WriteRequest) and msg.block not in self.blocks:
+                    self.attach(msg.block, msg.block_size, P.recv_fd(self.sock))
             except P.ChannelClosed:
                 self.orphaned()
                 return 0
@@ -66,13 +74,17 @@ class Worker:
             if isinstance(msg, P.WriteRequest):
                 self.handle(msg)
 
+    def send(self, msg: P.StrictModel) -> None:
+        try:
+            P.send(self.sock, msg)
+        except P.ChannelClosed:
+            self.orphaned()
+
     # work ------------------------------------------------------------------------------------------
-    def block(self, name: str, size: int) -> Block:
-        if name not in self.blocks:
-            for old in list(self.blocks):  # the trainer grew its block: the old one is gone for good
-                self.blocks.pop(old).close()
-            self.blocks[name] = Block.attach(name, size)
-        return self.blocks[name]
+    def attach(self, name: str, size: int, fd: int) -> None:
+        for old in list(self.blocks):  # the trainer grew its block: the old one is gone for good
+            self.blocks.pop(old).close()
+        self.blocks[name] = Block.attach(fd, size, name)
 
     def handle(self, req: P.WriteRequest) -> None:
         try:
@@ -82,20 +94,20 @@ class Worker:
             if isinstance(exc, CkptStoreError):
                 fields = {"store": exc.store, "cut": exc.cut, "path": exc.path, "hint": exc.hint,
                           "errno": getattr(exc, "errno", None)}
-            P.send(self.out_fd, P.WriteFailed(cut=req.cut, error_type=type(exc).__name__, message=getattr(
+            self.send(P.WriteFailed(cut=req.cut, error_type=type(exc).__name__, message=getattr(
                 exc, "message", str(exc)), fields=fields))
             return
-        P.send(self.out_fd, done)
+        self.send(done)
 
     def write(self, req: P.WriteRequest) -> P.WriteDone:
         t0 = time.perf_counter()
         if self.storage is None:
             self.storage = open_storage(self.store_url)
-        block = self.block(req.block, req.block_size)
+        block = self.blocks[req.block]
         codec = Codec(req.codec, req.zstd_level)
         files, tensors = [], []
         timings: dict[str, float] = {}
-        progress = _Progress(self.out_fd, req, self)
+        progress = _Progress(req, self)
         for i, idx in enumerate(req.shards):
             items = [
                 ArrayItem(s.name, s.kind, s.dtype, tuple(s.shape), s.nbytes, block.view[s.offset : s.offset + s.nbytes])
@@ -113,8 +125,7 @@ class Worker:
 class _Progress:
     """Sends a progress frame at most every 0.2 s (liveness), and runs test-only faults mid-shard."""
 
-    def __init__(self, fd: int, req: P.WriteRequest, worker: Worker) -> None:
-        self.fd = fd
+    def __init__(self, req: P.WriteRequest, worker: Worker) -> None:
         self.req = req
         self.worker = worker
         self.done = 0
@@ -128,7 +139,7 @@ class _Progress:
         now = time.monotonic()
         if now - self.last >= 0.2:
             self.last = now
-            P.send(self.fd, P.Progress(cut=self.req.cut, bytes_done=self.done))
+            self.worker.send(P.Progress(cut=self.req.cut, bytes_done=self.done))
 
 
 def _fault(kind: str) -> None:
@@ -156,23 +167,18 @@ def _lower_priority(nice: int, idle_io: bool, cpus: list[int] | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ckptstore.writer.worker")
-    ap.add_argument("--in-fd", type=int, required=True)
-    ap.add_argument("--out-fd", type=int, required=True)
+    ap.add_argument("--sock-fd", type=int, required=True)
     ap.add_argument("--store", required=True)
     ap.add_argument("--parent", type=int, required=True)
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--idle-io", action="store_true")
     ap.add_argument("--cpus", default="")
     args = ap.parse_args(argv)
-    worker = Worker(args.in_fd, args.out_fd, args.store, args.parent)
+    worker = Worker(args.sock_fd, args.store, args.parent)
     signal.signal(signal.SIGTERM, worker.orphaned)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != args.parent:  # the parent died before prctl took effect
+    if os.getppid() != args.parent:  # the parent died before we got here
         return 0
+    threading.Thread(target=worker.watch_parent, name="ckptstore-watch-parent", daemon=True).start()
     _lower_priority(args.nice, args.idle_io, [int(c) for c in args.cpus.split(",") if c])
     return worker.serve()
 

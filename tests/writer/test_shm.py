@@ -1,5 +1,6 @@
 """The shared block: a /dev/shm too small for the state fails at creation with ShmTooSmall naming the
-container setting, fast, never with SIGBUS mid-copy (failure-modes S17); blocks are reused and unlinked."""
+container setting, fast, never with SIGBUS mid-copy (failure-modes S17); blocks are reused, have no
+name in /dev/shm, and are gone once every descriptor and mapping is closed."""
 
 from __future__ import annotations
 
@@ -53,19 +54,32 @@ def test_block_larger_than_free_shm_raises_shm_too_small_not_sigbus():
     assert out["left"] == []  # the refused block's name was unlinked again
 
 
-def test_block_is_shared_by_name_and_unlinked_by_its_owner():
+def test_block_is_shared_by_descriptor_and_never_named():
     block = Block.create(1 << 20)
     try:
-        assert block.name in leftover_segments(os.getpid())
-        other = Block.attach(block.name, block.size)
+        assert not os.path.exists(os.path.join("/dev/shm", block.name))  # unlinked at birth
+        assert block.name in leftover_segments(os.getpid())  # ... but alive while held
+        other = Block.attach(os.dup(block.fd), block.size, block.name)
         block.view[:5] = b"hello"
         assert bytes(other.view[:5]) == b"hello"  # the same memory, as the writer process sees it
-        other.close()  # not the owner: the name stays
+        other.close()
         assert block.name in leftover_segments(os.getpid())
     finally:
         block.close()
     assert block.name not in leftover_segments(os.getpid())
     block.close()  # idempotent
+
+
+def test_a_killed_creator_leaves_nothing(tmp_path):
+    """SIGKILL right after creating a block: no name, no memory survives the process."""
+    code = "import os, signal; from ckptstore.writer.shm import Block; b = Block.create(1 << 20); " \
+           "print(b.name, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == -9
+    name = res.stdout.strip()
+    assert name.startswith("ckptstore-")
+    assert not os.path.exists(os.path.join("/dev/shm", name))
+    assert name not in leftover_segments()
 
 
 def test_checkpointer_reuses_one_block_and_grows_it_only_when_needed(url):
