@@ -1,7 +1,7 @@
 """Parent side of the writer process: spawn, handshake, one request at a time, liveness, shutdown.
 
 Every wait is bounded: a request waits for ``done``/``error`` frames with a timeout that each
-``progress`` frame renews; a dead writer (closed pipe, exit status) raises ``WriterDied`` at once, a
+``progress`` frame renews; a dead writer (closed socket, exit status) raises ``WriterDied`` at once, a
 silent one ``WriterTimeout`` after ``write_timeout`` (and is killed). ``close()`` asks for a shutdown,
 waits briefly, then kills: no zombie and no orphan survives it.
 """

@@ -1,4 +1,4 @@
-"""The typed parent/worker protocol: small JSON frames over a pipe; tensors never travel here.
+"""The typed parent/worker protocol: small JSON frames over a Unix socket; tensors never travel here.
 
 Each frame is a u32 little-endian length and a UTF-8 JSON object with a ``kind``, over one Unix
 socket pair. The parent sends ``write`` and ``shutdown``; the worker answers ``hello`` once (the
@@ -88,7 +88,7 @@ _ADAPTER: TypeAdapter[Any] = TypeAdapter(Message)
 
 
 class ChannelClosed(EOFError):
-    """The other end of the pipe is gone."""
+    """The other end of the socket is gone."""
 
 
 def send(fd: int, msg: StrictModel) -> None:
@@ -99,7 +99,7 @@ def send(fd: int, msg: StrictModel) -> None:
         try:
             n = os.write(fd, view)
         except BrokenPipeError as exc:
-            raise ChannelClosed("peer closed the pipe") from exc
+            raise ChannelClosed("peer closed the socket") from exc
         view = view[n:]
 
 
@@ -115,7 +115,7 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
                 raise TimeoutError
         chunk = os.read(fd, n - len(out))
         if not chunk:
-            raise ChannelClosed("peer closed the pipe")
+            raise ChannelClosed("peer closed the socket")
         out += chunk
     return bytes(out)
 
