@@ -39,17 +39,22 @@ class HashingReader:
     With ``overlap=True`` the hashing of each chunk runs on a helper thread while the next chunk is
     read; only valid when the caller never reuses a buffer it has read into (the loader reads straight
     into the tensors it returns, so it qualifies). ``hexdigest()`` waits for pending work.
+
+    With ``hashed=False`` it only counts bytes (a load with ``verify=False`` checks lengths, never
+    digests, so hashing there would be pure cost); ``hexdigest()`` then raises.
     """
 
-    def __init__(self, raw: BinaryIO, *, overlap: bool = False) -> None:
+    def __init__(self, raw: BinaryIO, *, overlap: bool = False, hashed: bool = True) -> None:
         self.raw = raw
         self.count = 0
-        self._hasher = new_hasher()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-hash") if overlap else None
+        self._hasher = new_hasher() if hashed else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-hash") if overlap and hashed else None
         self._last: Future[None] | None = None
 
     def _feed(self, view: memoryview | bytes) -> None:
         self.count += len(view)
+        if self._hasher is None:
+            return
         if self._pool is not None:
             self._last = self._pool.submit(self._hasher.update, view)
         else:
@@ -70,6 +75,8 @@ class HashingReader:
 
     def hexdigest(self) -> str:
         self.close()
+        if self._hasher is None:
+            raise ValueError("this HashingReader was created with hashed=False")
         return self._hasher.hexdigest()
 
     def close(self) -> None:

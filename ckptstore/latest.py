@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from . import layout
-from .models import StrictModel
+from .models import CutId, StrictModel
 
 
 class Pointer(StrictModel):
@@ -20,16 +19,9 @@ class Pointer(StrictModel):
 
     kind: Literal["ckptstore.latest"] = "ckptstore.latest"
     format_version: Literal[1] = 1
-    cut: str
+    cut: CutId
     step: int = Field(ge=0)
     manifest_blake3: str = Field(pattern=r"^[0-9a-f]{64}$")
-
-    @field_validator("cut")
-    @classmethod
-    def _cut_id(cls, v: str) -> str:
-        if not layout.is_cut_id(v):
-            raise ValueError(f"refusing cut name {v!r}: not of the form step-<12 digits>-<8 hex>")
-        return v
 
 
 class StoreIdentity(StrictModel):

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from . import layout
 from .format import ST_ITEMSIZE, TORCH_DTYPES
-from .models import StrictModel
+from .models import CutId, FileName, StrictModel
 
 _HEX64 = r"^[0-9a-f]{64}$"
 
@@ -31,20 +31,13 @@ class FileRecord(StrictModel):
     """One shard file. ``nbytes``/``blake3`` describe the bytes stored; ``raw_*`` the safetensors bytes
     before compression (equal to the stored ones when ``codec`` is "none")."""
 
-    name: str
+    name: FileName
     rank: int = Field(ge=0)
     codec: Literal["none", "zstd"]
     nbytes: int = Field(ge=0)
     blake3: str = Field(pattern=_HEX64)
     raw_nbytes: int = Field(ge=0)
     raw_blake3: str = Field(pattern=_HEX64)
-
-    @field_validator("name")
-    @classmethod
-    def _plain_name(cls, v: str) -> str:
-        if not layout.is_plain_file_name(v):
-            raise ValueError(f"refusing file name {v!r}: not a plain shard name")
-        return v
 
 
 class TensorRecord(StrictModel):
@@ -56,7 +49,7 @@ class TensorRecord(StrictModel):
     dtype: str
     shape: list[int]
     nbytes: int = Field(ge=0)
-    file: str
+    file: FileName
     offset: int = Field(ge=0)
     blake3: str = Field(pattern=_HEX64)
 
@@ -89,7 +82,7 @@ class Manifest(StrictModel):
 
     kind: Literal["ckptstore.manifest"] = "ckptstore.manifest"
     format_version: Literal[1] = 1
-    cut: str
+    cut: CutId
     step: int = Field(ge=0, le=layout.MAX_STEP)
     tags: list[str] = Field(default_factory=list)
     final: bool = False
@@ -101,13 +94,6 @@ class Manifest(StrictModel):
     tensors: list[TensorRecord]
     tree: dict[str, Any]
     pickled: bool = False
-
-    @field_validator("cut")
-    @classmethod
-    def _cut_id(cls, v: str) -> str:
-        if not layout.is_cut_id(v):
-            raise ValueError(f"refusing cut name {v!r}: not of the form step-<12 digits>-<8 hex>")
-        return v
 
     @field_validator("created_at")
     @classmethod

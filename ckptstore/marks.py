@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from . import layout
-from .models import StrictModel
+from .models import CutId, StrictModel
 
 
 class Mark(StrictModel):
@@ -20,19 +19,12 @@ class Mark(StrictModel):
 
     kind: Literal["ckptstore.mark"] = "ckptstore.mark"
     format_version: Literal[1] = 1
-    cut: str
+    cut: CutId
     step: int = Field(ge=0)
     host: str
     pid: int
     started_at: str
     writer: str
-
-    @field_validator("cut")
-    @classmethod
-    def _cut_id(cls, v: str) -> str:
-        if not layout.is_cut_id(v):
-            raise ValueError(f"refusing cut name {v!r}: not of the form step-<12 digits>-<8 hex>")
-        return v
 
 
 class BadCut(StrictModel):
@@ -42,7 +34,7 @@ class BadCut(StrictModel):
 
     kind: Literal["ckptstore.bad"] = "ckptstore.bad"
     format_version: Literal[1] = 1
-    cut: str
+    cut: CutId
     step: int
     reason: str
     recorded_at: str

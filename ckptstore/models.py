@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
+from . import layout
 from .errors import ManifestError
+
+
+def _cut_id(v: str) -> str:
+    if not layout.is_cut_id(v):
+        raise ValueError(f"refusing cut name {v!r}: not of the form step-<12 digits>-<8 hex>")
+    return v
+
+
+def _file_name(v: str) -> str:
+    if not layout.is_plain_file_name(v):
+        raise ValueError(f"refusing file name {v!r}: not a plain shard name")
+    return v
+
+
+#: A cut id read from bytes: hostile names (``..``, ``/``, odd characters) are refused on parse.
+CutId = Annotated[str, AfterValidator(_cut_id)]
+#: A file name inside a cut directory, likewise.
+FileName = Annotated[str, AfterValidator(_file_name)]
 
 M = TypeVar("M", bound="StrictModel")
 

@@ -162,7 +162,9 @@ def _check_missing(exc: StorageError, where: dict) -> None:
 class _RawStream:
     """The raw (safetensors) byte stream of a shard, hashing stored and raw bytes as they pass."""
 
-    def __init__(self, storage: Storage, rel: str, record: FileRecord, where: dict, *, overlap: bool) -> None:
+    def __init__(
+        self, storage: Storage, rel: str, record: FileRecord, where: dict, *, overlap: bool, hashed: bool = True
+    ) -> None:
         self.where = where
         self.record = record
         try:
@@ -170,11 +172,11 @@ class _RawStream:
         except StorageError as exc:
             _check_missing(exc, where)
             raise
-        self.stored = hashing.HashingReader(self.file, overlap=overlap and record.codec == "none")
+        self.stored = hashing.HashingReader(self.file, overlap=overlap and record.codec == "none", hashed=hashed)
         if record.codec == "zstd":
             dctx = zstandard.ZstdDecompressor()
             self.reader: BinaryIO = dctx.stream_reader(self.stored, read_across_frames=False)  # type: ignore[assignment]
-            self.raw = hashing.HashingReader(self.reader)
+            self.raw = hashing.HashingReader(self.reader, hashed=hashed)
         else:
             self.reader = self.stored  # type: ignore[assignment]
             self.raw = self.stored
@@ -277,7 +279,8 @@ def read_shard_into(
     it is hashed)."""
     rel = layout.cut_file(cut, record.name)
     where = {"store": storage.url, "cut": cut, "path": rel}
-    stream = _RawStream(storage, rel, record, where, overlap=verify and not reuses_buffers)
+    # verify=False checks lengths and the header but no digest, so nothing is hashed at all.
+    stream = _RawStream(storage, rel, record, where, overlap=verify and not reuses_buffers, hashed=verify)
     try:
         prefix = stream.read_exact(8)
         n = int.from_bytes(prefix, "little")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import ckptstore
+from ckptstore.writer.process import wait_gone as _gone
 from ckptstore.writer.shm import leftover_segments
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,21 +35,6 @@ class SoakReport:
     writer_kills: int = 0
     committed: int = 0
     resumed_steps: list[int] = field(default_factory=list)
-
-
-def _gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.02)
-    return False
 
 
 def check_store(root: str, committed_max: int | None) -> int | None:
