@@ -53,11 +53,11 @@ def plan_shards(items: Sequence[ArrayItem], max_shard_bytes: int) -> list[list[A
 class _Compressing:
     """A sink wrapper that zstd-compresses everything written and hashes the stored bytes."""
 
-    def __init__(self, sink, codec: Codec) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, sink, codec: Codec, hash_threads: int = hashing.AUTO) -> None:  # type: ignore[no-untyped-def]
         self.sink = sink
         params = zstandard.ZstdCompressionParameters.from_level(codec.level, threads=codec.threads or 0)
         self.obj = zstandard.ZstdCompressor(compression_params=params).compressobj()
-        self.hasher = hashing.new_hasher()
+        self.hasher = hashing.new_hasher(threads=hash_threads)
         self.count = 0
 
     def write(self, data: memoryview | bytes) -> None:
@@ -84,10 +84,13 @@ def write_shard(
     *,
     on_bytes: Callable[[int], None] | None = None,
     timings: dict[str, float] | None = None,
+    hash_threads: int = hashing.AUTO,
 ) -> tuple[FileRecord, list[TensorRecord]]:
     """Writes one shard file durably (fsynced on close) and returns its manifest records. On any error
     the partial file is removed and the error raised with the store, cut and file named. ``timings``
-    accumulates seconds spent hashing, handing bytes to the sink, and in the final flush + fsync."""
+    accumulates seconds spent hashing, handing bytes to the sink, and in the final flush + fsync.
+    ``hash_threads``: blake3 threads per update (default every core; the background writer process
+    uses 1 so it stays on one core). The digests do not depend on it."""
     clock = time.perf_counter
     t_hash = t_write = 0.0
     rel = layout.cut_file(cut, name)
@@ -96,14 +99,14 @@ def write_shard(
     )
     sink = storage.open_sink(rel)
     try:
-        out = _Compressing(sink, codec) if codec.name == "zstd" else sink
-        raw_hash = hashing.new_hasher()
+        out = _Compressing(sink, codec, hash_threads) if codec.name == "zstd" else sink
+        raw_hash = hashing.new_hasher(threads=hash_threads)
         raw_hash.update(header)
         out.write(header)
         records = []
         offset = 0
         for it in items:
-            th = hashing.new_hasher()
+            th = hashing.new_hasher(threads=hash_threads)
             data = it.data
             for start in range(0, it.nbytes, PIECE):
                 piece = data[start : start + PIECE]

@@ -761,3 +761,24 @@ def test_foreign_files_are_reported_and_never_deleted(setup: Setup) -> None:
         assert report.ok
         # The pruned cut's directory stays (it holds a stranger's file) and is reported, not hidden.
         assert any(f.severity == "notice" and f.cut == s.old.id for f in report.findings), report.findings
+
+
+def test_verify_false_skips_hashes_but_never_the_size_and_header_checks(tmp_path):
+    """load(verify=False) trusts the bytes (no blake3) yet still refuses a truncated shard."""
+    import numpy as np
+
+    url = str(tmp_path / "nv")
+    with ckptstore.Store.open(url, create=True) as store:
+        info = store.save({"w": np.arange(4096, dtype=np.float32)}, step=1)
+        m = store.manifest()
+    shard = os.path.join(url, "cuts", info.id, m.files[0].name)
+    data = bytearray(open(shard, "rb").read())
+    data[-1] ^= 0x01
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(ckptstore.CorruptCut):
+        ckptstore.load(url)
+    flipped = ckptstore.load(url, verify=False)  # the caller asked not to hash: the flip goes through
+    assert flipped["w"].shape == (4096,) and flipped["w"][-1] != 4095.0
+    open(shard, "wb").write(bytes(data[:-3]))
+    with pytest.raises((ckptstore.TruncatedFile, ckptstore.CorruptCut)):
+        ckptstore.load(url, verify=False)
