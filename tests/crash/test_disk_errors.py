@@ -155,3 +155,26 @@ def test_real_full_filesystem(small_tmpfs):
         store.save({"w": np.ones(400_000, dtype=np.float32) * 4}, step=4)
         assert store.latest().step == 4 and store.verify().ok
     np.testing.assert_array_equal(ckptstore.load(root)["w"], np.ones(400_000, dtype=np.float32) * 4)
+
+
+def test_real_full_filesystem_under_the_background_writer(small_tmpfs):
+    """The writer process hits ENOSPC on a real full file system: the trainer gets a typed error
+    naming the store, cut and file; LATEST and the previous cut are untouched; no partial files stay;
+    the next cut succeeds once there is room again."""
+    from ckptstore.writer import Checkpointer
+
+    root = os.path.join(small_tmpfs, "store")
+    with Checkpointer(root, every=1, mode="process", busy="wait") as ck:
+        ck.cut(1, {"w": np.ones(400_000, dtype=np.float32)}).wait()
+        failing = ck.cut(2, {"w": np.ones(400_000, dtype=np.float32) * 2})
+        with pytest.raises(ckptstore.StorageError) as exc:
+            failing.wait()
+        assert exc.value.errno == errno.ENOSPC and "full" in str(exc.value)
+        assert exc.value.store == root and exc.value.cut == failing.id and exc.value.path
+        assert ck.store.latest().step == 1 and ck.store.verify().ok
+        assert ck.store.classify().leftovers == []
+        ck.cut(3, {"w": np.ones(10, dtype=np.float32) * 3}).wait()
+        ck.store.prune(ckptstore.KeepLast(1))
+        ck.cut(4, {"w": np.ones(400_000, dtype=np.float32) * 4}).wait()
+    with ckptstore.Store.open(root, readonly=True) as store:
+        assert store.latest().step == 4 and store.verify().ok
