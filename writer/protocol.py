@@ -98,7 +98,7 @@ def send(fd: int, msg: StrictModel) -> None:
     while len(view):
         try:
             n = os.write(fd, view)
-        except BrokenPipeError as exc:
+        except (BrokenPipeError, ConnectionResetError) as exc:
             raise ChannelClosed("peer closed the socket") from exc
         view = view[n:]
 
@@ -113,7 +113,10 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
             ready, _, _ = select.select([fd], [], [], left)
             if not ready:
                 raise TimeoutError
-        chunk = os.read(fd, n - len(out))
+        try:
+            chunk = os.read(fd, n - len(out))
+        except ConnectionResetError as exc:  # the peer died with bytes we had sent still unread
+            raise ChannelClosed("peer closed the socket") from exc
         if not chunk:
             raise ChannelClosed("peer closed the socket")
         out += chunk
@@ -136,7 +139,7 @@ def send_fd(sock_fd: int, fd: int) -> None:
     sock = socket.socket(fileno=sock_fd)
     try:
         socket.send_fds(sock, [b"F"], [fd])
-    except BrokenPipeError as exc:
+    except (BrokenPipeError, ConnectionResetError) as exc:
         raise ChannelClosed("peer closed the socket") from exc
     finally:
         sock.detach()
@@ -147,6 +150,8 @@ def recv_fd(sock_fd: int) -> int:
     sock = socket.socket(fileno=sock_fd)
     try:
         data, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
+    except ConnectionResetError as exc:
+        raise ChannelClosed("peer closed the socket") from exc
     finally:
         sock.detach()
     if data != b"F" or len(fds) != 1:
