@@ -72,6 +72,7 @@ class Pinning:
         if self.block is block:
             return
         self.release()
+        block.ensure(block.size)  # back the headroom too before pinning: ShmTooSmall, never SIGBUS
         import ctypes
 
         import torch

@@ -212,11 +212,15 @@ class Checkpointer:
 
     def _block_for(self, nbytes: int) -> Block:
         """The shared block, grown (a new one, prefaulted) only when the state no longer fits. Only
-        called when no cut is in flight, so no region still being written is ever reused."""
+        called when no cut is in flight, so no region still being written is ever reused. Its 1/8
+        headroom is reserved and prefaulted only once a cut needs it (``Block.ensure``), so it costs
+        no host memory until then."""
         if self._block is None or self._block.size < nbytes:
             size = grown_size(nbytes, self._block.size if self._block is not None else 0)
             self._close_block()
-            self._block = Block.create(size)
+            self._block = Block.create(size, backed=nbytes)
+        else:
+            self._block.ensure(nbytes)
         return self._block
 
     def _run(self) -> None:

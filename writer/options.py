@@ -19,7 +19,9 @@ class WriterOptions:
     trainer writes; for comparison) or "inline" (the call writes and commits; for debugging). All three
     write byte-identical shards. ``busy``: what a due periodic cut does while the previous one is still
     being written or committed: "skip" (default) or "wait". ``nice``: the writer process's nice level;
-    ``idle_io`` puts it in the idle I/O class; ``cpu_affinity`` pins it to those CPUs.
+    ``idle_io`` puts it in the idle I/O class; ``cpu_affinity`` pins it to those CPUs. ``write_threads``:
+    threads the writer process hashes with (blake3 ``max_threads``; default 1, so a background cut
+    occupies at most one core besides its I/O thread, which mostly waits on the disk).
     ``write_timeout``: seconds without progress after which a writer counts as hung (then it is killed
     and the trainer writes the cut itself). ``events_path`` appends one JSON line per event.
     """

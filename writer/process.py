@@ -30,7 +30,8 @@ class WriterProcess:
         self.options = options
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [sys.executable, "-m", "ckptstore.writer.worker", "--sock-fd", str(child_end.fileno()),
-               "--store", store_url, "--parent", str(os.getpid()), "--nice", str(options.nice)]
+               "--store", store_url, "--parent", str(os.getpid()), "--nice", str(options.nice),
+               "--hash-threads", str(options.write_threads)]
         if options.idle_io:
             cmd.append("--idle-io")
         if options.cpu_affinity:

@@ -28,41 +28,46 @@ class Block:
     """A mapped shared-memory file. ``view`` is a writable memoryview of all of it; ``fd`` is what the
     writer process attaches."""
 
-    def __init__(self, name: str, size: int, fd: int, owner: bool) -> None:
+    def __init__(self, name: str, size: int, fd: int, owner: bool, backed: int | None = None) -> None:
         self.name = name
         self.size = size
         self.fd = fd
         self.owner = owner
+        self.backed = size if backed is None else backed  # bytes reserved (posix_fallocate) and prefaulted
         self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = memoryview(self.map)
 
     @classmethod
-    def create(cls, size: int, *, prefault: bool = True) -> "Block":
+    def create(cls, size: int, *, prefault: bool = True, backed: int | None = None) -> "Block":
+        """A new block of ``size`` bytes. Only the first ``backed`` bytes (default: all; rounded up to
+        1 MiB) are reserved with posix_fallocate and prefaulted now; the rest is headroom that
+        :meth:`ensure` reserves when a cut first needs it, so headroom costs no memory until used."""
         reap_stale()
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         os.unlink(path)  # from here on only file descriptors keep it alive
+        upto = size if backed is None else min(size, _round_up(backed, BACK_STEP))
         try:
             os.ftruncate(fd, size)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                    raise ShmTooSmall(
-                        f"/dev/shm cannot hold the state: {size} bytes needed, {shm_free_bytes()} free",
-                        path=path,
-                        hint="raise the shared-memory limit (docker run --shm-size=<state size + 10%>; in "
-                        "Kubernetes mount an emptyDir with medium: Memory at /dev/shm)",
-                    ) from None
-                raise
+            _reserve(fd, 0, upto, path)
         except BaseException:
             os.close(fd)
             raise
-        block = cls(name, size, fd, owner=True)
+        block = cls(name, size, fd, owner=True, backed=upto)
         if prefault:
-            block.prefault()
+            block.prefault(0, upto)
         return block
+
+    def ensure(self, nbytes: int) -> None:
+        """Reserves (posix_fallocate: ``ShmTooSmall``, never SIGBUS) and prefaults the block up to
+        ``nbytes`` (rounded up to 1 MiB, at most its size) if that part is not backed yet."""
+        if nbytes <= self.backed:
+            return
+        upto = min(self.size, _round_up(nbytes, BACK_STEP))
+        _reserve(self.fd, self.backed, upto - self.backed, os.path.join(SHM_DIR, self.name))
+        self.prefault(self.backed, upto)
+        self.backed = upto
 
     @classmethod
     def attach(cls, fd: int, size: int, name: str = "attached") -> "Block":
@@ -72,14 +77,17 @@ class Block:
             raise ValueError(f"shared block {name} is smaller than {size} bytes")
         return cls(name, size, fd, owner=False)
 
-    def prefault(self) -> None:
-        """Touches every page once (first touch of fresh memory is slow on this VM class, and would
-        otherwise be paid by the first capture)."""
+    def prefault(self, start: int = 0, stop: int | None = None) -> None:
+        """Touches every page of [start, stop) once (first touch of fresh memory is slow on this VM
+        class, and would otherwise be paid by the first capture)."""
+        stop = self.size if stop is None else stop
         step = 64 << 20
-        zeros = bytes(min(step, self.size))
-        for start in range(0, self.size, step):
-            end = min(start + step, self.size)
-            self.view[start:end] = zeros[: end - start]
+        # A memoryview: slicing the bytes itself would copy the last partial chunk into a malloc'd buffer
+        # (up to 64 MiB) that glibc's raised mmap threshold keeps resident in the heap afterwards.
+        zeros = memoryview(bytes(min(step, max(stop - start, 0))))
+        for pos in range(start, stop, step):
+            end = min(pos + step, stop)
+            self.view[pos:end] = zeros[: end - pos]
 
     def close(self) -> None:
         """Unmaps and closes the descriptor. Idempotent."""
@@ -94,6 +102,30 @@ class Block:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+BACK_STEP = 1 << 20
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _reserve(fd: int, offset: int, length: int, path: str) -> None:
+    """posix_fallocate, with a full /dev/shm turned into ``ShmTooSmall`` naming the setting."""
+    if length <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise ShmTooSmall(
+                f"/dev/shm cannot hold the state: {offset + length} bytes needed, {shm_free_bytes()} free",
+                path=path,
+                hint="raise the shared-memory limit (docker run --shm-size=<state size + 10%>; in "
+                "Kubernetes mount an emptyDir with medium: Memory at /dev/shm)",
+            ) from None
+        raise
 
 
 def shm_free_bytes() -> int:

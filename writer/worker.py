@@ -38,10 +38,11 @@ _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 
 
 class Worker:
-    def __init__(self, sock_fd: int, store_url: str, parent: int) -> None:
+    def __init__(self, sock_fd: int, store_url: str, parent: int, hash_threads: int = 1) -> None:
         self.sock = sock_fd
         self.store_url = store_url
         self.parent = parent
+        self.hash_threads = hash_threads
         self.blocks: dict[str, Block] = {}
         self.storage: Storage | None = None
 
@@ -115,7 +116,7 @@ class Worker:
             ]
             name = shard_name(req.rank, i, compressed=codec.name == "zstd")
             rec, trecs = write_shard(self.storage, req.cut, name, req.rank, items, codec,
-                                     on_bytes=progress, timings=timings)
+                                     on_bytes=progress, timings=timings, hash_threads=self.hash_threads)
             files.append(rec)
             tensors.extend(trecs)
         timings["total"] = time.perf_counter() - t0
@@ -173,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--idle-io", action="store_true")
     ap.add_argument("--cpus", default="")
+    ap.add_argument("--hash-threads", type=int, default=1)
     args = ap.parse_args(argv)
-    worker = Worker(args.sock_fd, args.store, args.parent)
+    worker = Worker(args.sock_fd, args.store, args.parent, hash_threads=max(1, args.hash_threads))
     signal.signal(signal.SIGTERM, worker.orphaned)
     if os.getppid() != args.parent:  # the parent died before we got here
         return 0
