@@ -1,7 +1,9 @@
-"""A small restartable training loop that takes a cut every few steps with ckptstore.
+"""A small restartable training loop that takes background cuts every few steps with ckptstore.
 
 Run: python examples/train.py STORE --steps 60 --every 5
-It resumes from the store's LATEST cut when there is one, and prints one JSON line per event.
+It resumes from the store's LATEST cut when there is one (ckptstore.restore), takes cuts through a
+Checkpointer (a niced writer process writes them while training goes on) and prints one JSON line per
+event.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import argparse
 import json
 import random
 import sys
+import threading
 
 import numpy as np
 import torch
 
 import ckptstore
 import ckptstore.hashing
+from ckptstore.writer import Checkpointer
 
 
 def build(seed: int = 0):
@@ -44,21 +48,22 @@ def main() -> int:
     data_gen = torch.Generator().manual_seed(1234)
     random.seed(0)
     np.random.seed(0)
-    start = 0
-    events = lambda e: print(json.dumps(e, default=str), flush=True)  # noqa: E731
-    with ckptstore.Store.open(args.store, create=True, options=ckptstore.StoreOptions(on_event=events)) as store:
-        latest = store.latest()
-        if latest is not None:
-            state = store.load("latest")
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optim"])
-            sched.load_state_dict(state["sched"])
-            torch.set_rng_state(state["rng"]["torch"])
-            data_gen.set_state(state["rng"]["data"])
-            np.random.set_state(state["rng"]["numpy"])
-            random.setstate(state["rng"]["python"])
-            start = state["step"]
-            print(json.dumps({"event": "resumed", "step": start, "cut": latest.id}), flush=True)
+    lock = threading.Lock()
+
+    def events(event: dict) -> None:  # called from the commit thread too: one whole line at a time
+        with lock:
+            sys.stdout.write(json.dumps(event, default=str) + "\n")
+            sys.stdout.flush()
+
+    keep = ckptstore.KeepLast(3) | ckptstore.KeepEvery(20)
+    # busy="wait": every due cut is taken (the demo's steps are tiny); real loops keep the default "skip".
+    with Checkpointer(args.store, every=args.every, keep=keep, busy="wait", on_event=events) as ck:
+        start = 0
+        resumed = ckptstore.restore(ck.store, model=model, optimizer=opt, scheduler=sched)
+        if resumed is not None:
+            data_gen.set_state(resumed.extra["data_gen"])
+            start = resumed.step
+            events({"event": "resumed", "step": start, "cut": resumed.cut.id})
         for step in range(start + 1, args.steps + 1):
             x, y = batch(data_gen)
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -66,17 +71,14 @@ def main() -> int:
             loss.backward()
             opt.step()
             sched.step()
-            if step % args.every == 0 or step == args.steps:
-                state = {
-                    "model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
-                    "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
-                            "numpy": np.random.get_state(), "python": random.getstate()},
-                    "step": step, "loss": float(loss.detach()),
-                }
-                store.save(state, step=step, final=step == args.steps, tags=("final",) if step == args.steps else ())
-                store.prune(ckptstore.KeepLast(3) | ckptstore.KeepEvery(20))
-        digest = ckptstore.hashing.digest(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
-        print(json.dumps({"event": "finished", "step": args.steps, "params_blake3": digest}), flush=True)
+            state = ckptstore.training_state(step=step, model=model, optimizer=opt, scheduler=sched,
+                                             extra={"data_gen": data_gen.get_state(), "loss": float(loss.detach())})
+            if step == args.steps:
+                ck.cut(step, state, final=True)
+            else:
+                ck.maybe_cut(step, state)
+    digest = ckptstore.hashing.digest(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+    events({"event": "finished", "step": args.steps, "params_blake3": digest})
     return 0
 
 
