@@ -71,67 +71,13 @@ import torch  # noqa: E402
 
 sys.path.insert(0, REPO)
 import ckptstore  # noqa: E402
+from benchstate import build_state, fsync_path  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------
 # state
 
 
-def build_state(gib: float, seed: int = 0) -> tuple[dict[str, Any], dict[str, torch.Tensor], int]:
-    """A transformer-like training state: for every parameter a bf16 weight ~N(0, 0.02) (norm weights
-    ~1), an fp32 exp_avg ~N(0, 1e-4) and an fp32 exp_avg_sq = 1e-8*N(0,1)^2 + 1e-12; plus six int64
-    counters. At --gib 1 it is exactly limits.md's "1 GiB state" (vocab 32000, d 1024, 6 layers:
-    1,083,473,968 bytes in 231 tensors). Returns (state, flat safetensors view of it, state bytes)."""
-    g = torch.Generator().manual_seed(seed)
-    d = 1024
-    layers = max(1, round(6 * gib))
-    vocab = max(1024, int(round(32000 * gib / 64.0)) * 64)
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "ln1.weight": (d,), p + "ln1.bias": (d,),
-            p + "attn.qkv.weight": (3 * d, d), p + "attn.qkv.bias": (3 * d,),
-            p + "attn.proj.weight": (d, d), p + "attn.proj.bias": (d,),
-            p + "ln2.weight": (d,), p + "ln2.bias": (d,),
-            p + "mlp.fc1.weight": (4 * d, d), p + "mlp.fc1.bias": (4 * d,),
-            p + "mlp.fc2.weight": (d, 4 * d), p + "mlp.fc2.bias": (d,),
-        })
-    shapes.update({"norm.weight": (d,), "norm.bias": (d,)})
-    model: dict[str, torch.Tensor] = {}
-    ostate: dict[str, dict[str, torch.Tensor]] = {}
-    for name, shape in shapes.items():
-        w = torch.randn(shape, generator=g).mul_(0.02)
-        if name.endswith("ln1.weight") or name.endswith("ln2.weight") or name == "norm.weight":
-            w.add_(1.0)
-        model[name] = w.to(torch.bfloat16)
-        del w
-        ea = torch.randn(shape, generator=g).mul_(1e-4)
-        eas = torch.randn(shape, generator=g).square_().mul_(1e-8).add_(1e-12)
-        ostate[name] = {"exp_avg": ea, "exp_avg_sq": eas}
-    counters = {k: torch.tensor(v, dtype=torch.int64) for k, v in
-                [("step", 12000), ("tokens_seen", 12000 * 4096 * 256), ("epoch", 3), ("micro_step", 96000),
-                 ("skipped_steps", 7), ("loss_scale_updates", 0)]}
-    state = {
-        "model": model,
-        "optim": {
-            "state": ostate,
-            "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
-                              "params": list(range(len(shapes)))}],
-            "counters": counters,
-        },
-        "step": 12000,
-    }
-    flat: dict[str, torch.Tensor] = {}
-    for k, v in model.items():
-        flat[f"model/{k}"] = v
-    for k, st in ostate.items():
-        for sk, v in st.items():
-            flat[f"optim/state/{k}/{sk}"] = v
-    for k, v in counters.items():
-        flat[f"optim/counters/{k}"] = v
-    nbytes = sum(t.numel() * t.element_size() for t in flat.values())
-    return state, flat, nbytes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -191,14 +137,6 @@ def fmt(xs: list[float], digits: int = 2) -> str:
     if len(xs) == 1:
         return f"{xs[0]:.{digits}f}"
     return f"{med(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(root: str) -> None:
