@@ -12,6 +12,7 @@ import pytest
 
 import ckptstore
 from ckptstore.cli import main
+from filekit import flip_byte
 
 
 @pytest.fixture()
@@ -55,11 +56,7 @@ def test_verify_ok_then_corrupt(store_url, capsys):
     assert code == 0 and out.strip().endswith("0 notice(s)")
     cut = ckptstore.Store.open(store_url, readonly=True).manifest(30)
     shard = os.path.join(store_url, "cuts", cut.cut, cut.files[0].name)
-    with open(shard, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0xFF]))
+    flip_byte(shard, -1)
     code, out, _ = run(capsys, "verify", store_url, "--json")
     assert code == 1
     doc = json.loads(out)

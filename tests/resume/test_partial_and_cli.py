@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ckptstore
+from filekit import flip_byte
 from ckptstore import DataError, Store, StoreOptions
 from ckptstore.cli import main
 
@@ -31,14 +32,6 @@ def run_json(capsys, *argv: str) -> tuple[int, Any]:
         return code, json.loads(out)
     except json.JSONDecodeError:
         raise AssertionError(f"not JSON (exit {code}): {out!r} {err!r}") from None
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def data_offset(path: str, name: str) -> int:

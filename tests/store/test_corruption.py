@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptstore
+from filekit import flip_byte
 from ckptstore import Store, StoreOptions
 from ckptstore.hashing import digest
 from ckptstore.store import open_for_repair
@@ -118,14 +119,6 @@ def assert_old_cut_loads(s: Setup) -> None:
         assert [f for f in report.errors if not f.kind.startswith("latest-")] == []
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def _write(path: str, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -206,7 +199,7 @@ def test_flipped_byte_in_shard(setup: Setup, where: str) -> None:
     size, start = os.path.getsize(path), _data_start(path)
     offset = {"data-first": start, "data-last": size - 1, "data-middle": (start + size) // 2,
               "header-json": 20, "header-padding": start - 2}[where]
-    _flip(path, offset)
+    flip_byte(path, offset)
     before = snapshot(s.url)
 
     expected = ckptstore.CorruptCut if where.startswith("data") else ckptstore.DataError
@@ -594,7 +587,7 @@ def test_damaged_latest(setup: Setup, damage: str) -> None:
 
 def test_repair_skips_a_newest_cut_that_does_not_verify(setup: Setup) -> None:
     s = setup
-    _flip(s.shard(s.new.id), os.path.getsize(s.shard(s.new.id)) - 1)
+    flip_byte(s.shard(s.new.id), os.path.getsize(s.shard(s.new.id)) - 1)
     _write(os.path.join(s.url, "LATEST"), b"garbage")
     with open_for_repair(s.url) as r:
         fixed = r.repair()
@@ -606,7 +599,7 @@ def test_repair_skips_a_newest_cut_that_does_not_verify(setup: Setup) -> None:
 def test_repair_with_no_cut_that_verifies(setup: Setup) -> None:
     s = setup
     for cut in (s.old.id, s.new.id):
-        _flip(s.shard(cut), os.path.getsize(s.shard(cut)) - 1)
+        flip_byte(s.shard(cut), os.path.getsize(s.shard(cut)) - 1)
     _write(os.path.join(s.url, "LATEST"), b"")
     before = snapshot(s.url)
     with open_for_repair(s.url) as r:
@@ -709,7 +702,7 @@ def test_truncated_zstd_frame_with_matching_manifest(zstd_setup: Setup, cut_byte
 def test_flipped_byte_in_zstd_shard(zstd_setup: Setup) -> None:
     s = zstd_setup
     path = s.shard(s.new.id)
-    _flip(path, os.path.getsize(path) // 2)
+    flip_byte(path, os.path.getsize(path) // 2)
     with pytest.raises(ckptstore.CorruptCut) as ei:
         ckptstore.load(s.url)
     assert_names(ei.value, s.url, s.new.id, path)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import ckptstore
+from filekit import flip_byte
 from ckptstore import CutInfo, Store, StoreOptions
 from ckptstore.format import TORCH_DTYPES
 
@@ -438,14 +439,6 @@ def test_partial_load_returns_only_requested_keys(store: Store) -> None:
         ckptstore.load(store.url, keys=["nope"])
 
 
-def _flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def _multi_shard_state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     mb = 1 << 20
@@ -478,7 +471,7 @@ def test_partial_load_reads_only_needed_shards(small_shard_store: Store) -> None
 
     # Damage a shard that holds no model tensor: the partial load never touches it, a full load refuses.
     victim = os.path.join(cut_dir, other_files[0])
-    _flip_byte(victim, os.path.getsize(victim) - 1)
+    flip_byte(victim, os.path.getsize(victim) - 1)
     out = ckptstore.load(store.url, keys=["model"])
     assert_same(state["model"], out["model"])
     with pytest.raises(ckptstore.CorruptCut) as ei:
@@ -505,7 +498,7 @@ def test_partial_load_checks_the_bytes_it_reads(small_shard_store: Store) -> Non
     path = os.path.join(store.url, "cuts", info.id, m.files[0].name)
     with open(path, "rb") as f:
         data_start = 8 + struct.unpack("<Q", f.read(8))[0]
-    _flip_byte(path, data_start + rec["b"].offset + 5)
+    flip_byte(path, data_start + rec["b"].offset + 5)
     out = ckptstore.load(store.url, keys=["a"])
     assert torch.equal(out["a"], state["a"])
     with pytest.raises(ckptstore.CorruptCut) as ei:

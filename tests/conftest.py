@@ -1,0 +1,6 @@
+"""Makes tests/ importable for helpers shared across test folders (filekit)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
