@@ -35,7 +35,7 @@ import stat
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import fsspec
 
@@ -567,14 +567,3 @@ def open_storage(url: str, *, storage_options: dict | None = None) -> Storage:
 def host_identity() -> dict[str, object]:
     """Who this process is, for marks and the writer lock."""
     return {"host": socket.gethostname(), "pid": os.getpid()}
-
-
-def iter_chunks(reader: BinaryIO, total: int, chunk: int = _CHUNK) -> Iterator[bytes]:
-    """Reads ``total`` bytes from ``reader`` in chunks (for hashing streams that are not local)."""
-    left = total
-    while left > 0:
-        data = reader.read(min(chunk, left))
-        if not data:
-            return
-        left -= len(data)
-        yield data

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from ckptstore.retention import Policy
@@ -42,7 +42,6 @@ class WriterOptions:
     on_event: Callable[[dict[str, Any]], None] | None = None
     events_path: str | None = None
     device_copy: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.every < 1:
