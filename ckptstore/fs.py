@@ -27,7 +27,9 @@ Two backends, both chosen from a URL through fsspec:
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import socket
@@ -44,6 +46,15 @@ from .errors import StorageError
 
 _ALIGN = 4096
 _CHUNK = 8 << 20
+_ZERO_COPY_MIN = 64 << 10  # below this, copying into the staging buffer is cheaper than an extra write
+
+
+def buffer_address(view: memoryview) -> int | None:
+    """The memory address of a writable buffer (None for read-only ones, e.g. bytes)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -157,7 +168,15 @@ class PosixSink(Sink):
     while one is written by a background thread (``os.write`` releases the GIL), the caller hashes and
     fills the other, so hashing overlaps the disk. The last chunk is padded to the alignment and the
     file truncated back to its true length before the fsync, so the file holds exactly what was
-    written."""
+    written.
+
+    Zero copy: when a piece the caller hands over is itself page-aligned in memory (the writer's
+    shared block gives every array a page-aligned slot) and the file position is page-aligned, the
+    piece goes to the disk straight from the caller's memory, skipping the staging copy: one less pass
+    over every byte, which is memory bandwidth and cache the trainer next door keeps. The caller's
+    memory must then stay unchanged until ``close`` returns (``write_shard`` callers own it until then).
+    Should the kernel refuse an aligned O_DIRECT write (EINVAL), the file drops O_DIRECT and carries on
+    through the page cache: slower, never wrong."""
 
     def __init__(self, storage: "PosixStorage", rel: str) -> None:
         self._storage = storage
@@ -169,6 +188,7 @@ class PosixSink(Sink):
         self._direct = storage.use_direct
         self._pending: Future[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self.zero_copy_bytes = 0  # bytes that went to the disk straight from the caller's memory
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         try:
             if self._direct:
@@ -196,6 +216,14 @@ class PosixSink(Sink):
                     self._length += n
                 return
             while len(mv):
+                direct = self._zero_copy_len(mv)
+                if direct:
+                    if self._fill:  # a page-aligned partial buffer goes first, in file order
+                        self._submit(self._fill)
+                    self._submit_view(mv[:direct])
+                    self.zero_copy_bytes += direct
+                    mv = mv[direct:]
+                    continue
                 buf = self._bufs[self._cur]
                 take = min(len(mv), buf.size - self._fill)
                 buf.view[self._fill : self._fill + take] = mv[:take]
@@ -206,21 +234,48 @@ class PosixSink(Sink):
         except OSError as exc:
             raise self._storage._error(exc, "writing shard", self._rel) from exc
 
+    def _zero_copy_len(self, mv: memoryview) -> int:
+        """How many leading bytes of ``mv`` can go to the disk from the caller's memory: a multiple of
+        the alignment, when the file position (after the buffered bytes) and the address both are
+        aligned; 0 when the piece must be copied."""
+        if not self._direct or len(mv) < _ZERO_COPY_MIN or self._fill % _ALIGN:
+            return 0
+        address = buffer_address(mv)
+        if address is None or address % _ALIGN:
+            return 0
+        return len(mv) - len(mv) % _ALIGN
+
     def _submit(self, nbytes: int) -> None:
         """Hands the current buffer to the I/O thread and switches to the other one."""
+        self._submit_view(self._bufs[self._cur].view[:nbytes])
+        self._fill = 0
+        self._cur ^= 1
+
+    def _submit_view(self, view: memoryview) -> None:
+        """Waits for the write in flight, then starts writing ``view`` (aligned memory and length)."""
         self._wait_pending()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptstore-io")
-        view = self._bufs[self._cur].view[:nbytes]
         self._pending = self._pool.submit(self._write_all, view)
-        self._length += nbytes
-        self._fill = 0
-        self._cur ^= 1
+        self._length += len(view)
 
     def _write_all(self, view: memoryview) -> None:
         done = 0
         while done < len(view):
-            done += os.write(self._fd, view[done:])
+            try:
+                done += os.write(self._fd, view[done:])
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self._direct:
+                    raise
+                self._drop_direct()
+
+    def _drop_direct(self) -> None:
+        """The kernel refused an O_DIRECT write (an alignment this file system does not take): the
+        rest of this file goes through the page cache, and later files skip O_DIRECT."""
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        self._direct = False
+        self._storage.use_direct = False
 
     def _wait_pending(self) -> None:
         if self._pending is not None:
