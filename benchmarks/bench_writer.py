@@ -26,7 +26,9 @@ counters, 231 tensors at --gib 1):
    100 idle steps, the save call between two steps, steps until the save is durable (committed / future
    done), 50 idle steps. Ratios are in-flight step median (and p90) over the idle median (pre + post);
    "trainer time lost" = call blocking time + sum(in-flight step - idle median). Same method as
-   limits.md's "DCP async_save: training slowdown while saving".
+   limits.md's "DCP async_save: training slowdown while saving". A control row ("spin") runs a nice-10
+   process that only spins a pure-Python loop for 2.5 s: on this VM a busy neighbour core slows the
+   trainer's matmuls by itself, so that row is the floor for any writer that keeps a core busy.
 
 GB = 1e9 bytes. Figures are median (min-max) over repetitions; ratios are taken per repetition (paired)
 and then summarised.
@@ -241,6 +243,7 @@ class Saver:
             self.ck = Checkpointer(os.path.join(scratch, "store"), every=1, on_event=self._on_event, **kw)
         elif variant == "dcp-process":
             init_gloo()
+        self.proc: subprocess.Popen | None = None
 
     def _on_event(self, e: dict[str, Any]) -> None:
         if e["event"] == "committed":
@@ -259,6 +262,10 @@ class Saver:
             return blocked
         if self.variant == "none":
             return 0.0
+        if self.variant == "spin":
+            t0 = time.perf_counter()
+            self.proc = subprocess.Popen([sys.executable, "-c", SPIN_CODE])
+            return time.perf_counter() - t0
         import torch.distributed.checkpoint as dcp
 
         d = os.path.join(self.scratch, f"dcp-{self.step}")
@@ -283,6 +290,12 @@ class Saver:
     def done(self) -> bool:
         if self.ck is not None:
             return self.handle is not None and self.handle.done
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                return False
+            if self.done_at is None:
+                self.done_at = time.perf_counter()
+            return True
         if self.fut is not None:
             return self.fut.done()
         return True
@@ -290,6 +303,9 @@ class Saver:
     def wait(self) -> None:
         if self.ck is not None and self.handle is not None:
             self.handle.wait()
+        elif self.proc is not None:
+            self.proc.wait()
+            self.done()
         elif self.fut is not None:
             self.fut.result()
             d = self.dirs[-1]
@@ -708,12 +724,19 @@ def per_rep(values: list[float], rep_of: list[int]) -> list[float]:
     return [med([v for v, r in zip(values, rep_of) if r == k]) for k in reps]
 
 
+# The "spin" control: a nice-10 process that only spins a pure-Python loop (no I/O, hardly any memory
+# traffic) for SPIN_S seconds, about as long as a ckptstore cut is in flight. What it costs the trainer
+# is what any writer that keeps a core busy costs on this machine, whatever it does with the core.
+SPIN_S = 2.5
+SPIN_CODE = f"import os, time\nos.nice(10)\nend = time.monotonic() + {SPIN_S}\nwhile time.monotonic() < end:\n    pass\n"
 LOOP_VARIANTS = {
-    1: ["none", "ckpt-process", "ckpt-process-pin", "ckpt-process-idleio", "ckpt-thread", "dcp-thread", "dcp-process"],
-    2: ["none", "ckpt-process", "ckpt-process-idleio", "ckpt-thread", "dcp-thread", "dcp-process"],
+    1: ["none", "spin", "ckpt-process", "ckpt-process-pin", "ckpt-process-idleio", "ckpt-thread", "dcp-thread",
+        "dcp-process"],
+    2: ["none", "spin", "ckpt-process", "ckpt-process-idleio", "ckpt-thread", "dcp-thread", "dcp-process"],
 }
 LABEL = {
     "none": "no checkpoint (noise floor: idle steps in the window)",
+    "spin": f"control: a nice-10 process spinning a pure-Python loop for {SPIN_S} s (no I/O, no checkpoint)",
     "ckpt-process": "ckptstore process mode (nice 10, default)",
     "ckpt-process-pin": "ckptstore process, trainer pinned to CPU 0, writer cpu_affinity=(1,)",
     "ckpt-process-idleio": "ckptstore process, idle_io=True",
