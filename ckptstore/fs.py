@@ -148,6 +148,29 @@ class Storage(ABC):
         """The OS path of ``rel`` on local backends (for mmap hashing), else None."""
         return None
 
+    # Conditional writes: what an object-store writer lease needs (``ckptstore.lock``). Backends that
+    # cannot do them say so with ``conditional_writes = False`` and the verbs raise NotImplementedError.
+    conditional_writes = False
+
+    def put_if_absent(self, rel: str, data: bytes) -> str:
+        """Creates ``rel`` only if it does not exist; returns its version tag (ETag). Raises
+        :class:`FileExistsError` when it exists."""
+        raise NotImplementedError
+
+    def put_if_match(self, rel: str, data: bytes, tag: str) -> str:
+        """Replaces ``rel`` only if its version tag is still ``tag``; returns the new tag. Raises
+        :class:`ConditionFailed` when someone else wrote it in between (or it is gone)."""
+        raise NotImplementedError
+
+    def version(self, rel: str) -> tuple[str, float]:
+        """The version tag of ``rel`` and its age in seconds by the storage's own clock of writes
+        (now - last modified)."""
+        raise NotImplementedError
+
+
+class ConditionFailed(Exception):
+    """A conditional write lost: the object changed (or vanished) since the tag was read."""
+
 
 # --------------------------------------------------------------------------------------------------
 # POSIX
@@ -528,11 +551,54 @@ class ObjectStorage(Storage):
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
 
+    @property
+    def conditional_writes(self) -> bool:  # type: ignore[override]
+        """S3 and S3-compatible servers take If-None-Match / If-Match on PUT (s3fs passes them)."""
+        protocol = self.fs.protocol
+        return bool({"s3", "s3a"} & set(protocol if isinstance(protocol, (list, tuple)) else [protocol]))
+
     def write_durably(self, rel: str, data: bytes) -> None:
         try:
             self.fs.pipe_file(self._abs(rel), bytes(data))
         except OSError as exc:
             raise self._error(exc, "put", rel) from exc
+
+    def put_if_absent(self, rel: str, data: bytes) -> str:
+        if not self.conditional_writes:
+            raise NotImplementedError(f"{type(self.fs).__name__} has no conditional writes")
+        try:
+            out = self.fs.pipe_file(self._abs(rel), bytes(data), mode="create")
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            raise self._error(exc, "conditional put", rel) from exc
+        return str((out or {}).get("ETag", ""))
+
+    def put_if_match(self, rel: str, data: bytes, tag: str) -> str:
+        if not self.conditional_writes:
+            raise NotImplementedError(f"{type(self.fs).__name__} has no conditional writes")
+        try:
+            out = self.fs.pipe_file(self._abs(rel), bytes(data), IfMatch=tag)
+        except (FileNotFoundError, FileExistsError) as exc:
+            raise ConditionFailed(str(exc)) from exc
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # s3fs maps 412 PreconditionFailed to EINVAL
+                raise ConditionFailed(str(exc)) from exc
+            raise self._error(exc, "conditional put", rel) from exc
+        return str((out or {}).get("ETag", ""))
+
+    def version(self, rel: str) -> tuple[str, float]:
+        import datetime as _dt
+
+        try:
+            info = self.fs.info(self._abs(rel), refresh=True)
+        except OSError as exc:
+            raise self._error(exc, "head", rel) from exc
+        modified = info.get("LastModified")
+        age = 0.0
+        if isinstance(modified, _dt.datetime):
+            age = (_dt.datetime.now(_dt.timezone.utc) - modified).total_seconds()
+        return str(info.get("ETag", "")), age
 
     def open_sink(self, rel: str) -> Sink:
         return ObjectSink(self, rel)

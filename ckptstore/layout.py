@@ -28,11 +28,12 @@ MARKS_DIR = "marks"
 BAD_DIR = "bad"
 MANIFEST_FILE = "MANIFEST.json"
 LOCK_FILE = ".writer.lock"
+LEASE_FILE = ".writer.lease"  # the object-store writer lease (ckptstore.lock)
 WRITER_FILE = "WRITER.json"
 TMP_PREFIX = ".tmp-"
 
 #: Everything the store itself may create at the root; anything else there is foreign.
-ROOT_ENTRIES = frozenset({STORE_FILE, LATEST_FILE, CUTS_DIR, MARKS_DIR, BAD_DIR, LOCK_FILE, WRITER_FILE})
+ROOT_ENTRIES = frozenset({STORE_FILE, LATEST_FILE, CUTS_DIR, MARKS_DIR, BAD_DIR, LOCK_FILE, LEASE_FILE, WRITER_FILE})
 
 _CUT_ID = re.compile(r"^step-(\d{12})-([0-9a-f]{8})$")
 _SHARD = re.compile(r"^rank(\d{5})-(\d{5})\.safetensors(\.zst)?$")

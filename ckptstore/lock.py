@@ -1,37 +1,65 @@
 """The single-writer lock of a store.
 
-A ``flock`` on ``.writer.lock`` (through filelock) excludes a second writer on the same host or on a
-file system with working POSIX locks; the kernel drops it when its holder dies, SIGKILL included, so a
-killed writer never locks the store forever. ``WRITER.json`` says who holds it, so the second writer's
-``StoreLocked`` names the holder. Readers take no lock.
+Local stores: a ``flock`` on ``.writer.lock`` (through filelock) excludes a second writer on the same
+host or on a file system with working POSIX locks; the kernel drops it when its holder dies, SIGKILL
+included, so a killed writer never locks the store forever. ``WRITER.json`` says who holds it, so the
+second writer's ``StoreLocked`` names the holder. Readers take no lock.
 
-Limit (failure-modes row 65): flock gives no exclusion across hosts on NFS mounted ``nolock`` or on
-some parallel file systems; run one writer per store there (torch.distributed rank 0 commits).
+Object stores (S3 and compatible): no flock exists, so the writer holds a **lease**, the object
+``.writer.lease`` created with a conditional PUT (``If-None-Match: *``) and renewed every ttl/3 with
+``If-Match`` on its last ETag. A second writer finds it and gets ``StoreLocked`` naming the holder; a
+lease nobody renewed for ``lease_ttl_s`` (its holder was killed) is taken over with ``If-Match`` on the
+stale ETag, so exactly one of several contenders wins. A writer whose renewal lost (another writer took
+the lease after it stalled longer than the ttl) stops: every later commit, prune or gc raises
+``StoreLocked`` instead of touching the store. Staleness is judged by the object's LastModified (the
+server's clock) against this host's clock, so hosts need NTP-grade clocks (skew well under the ttl).
+
+Limits: flock gives no exclusion across hosts on NFS mounted ``nolock`` or on some parallel file systems
+(failure-modes row 65); object stores without conditional PUTs (fsspec's memory file system, GCS through
+its own protocol) get no lock: run one writer per store there (torch.distributed rank 0 commits).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import threading
+import time
+import uuid
 from typing import Any
 
 import filelock
 
 from . import layout
-from .errors import StoreLocked
-from .fs import Storage
+from .errors import StorageError, StoreLocked
+from .fs import ConditionFailed, Storage
 from .protocol import now_iso
+
+DEFAULT_LEASE_TTL_S = 30.0
 
 
 class WriterLock:
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
         self.storage = storage
         self._lock: filelock.BaseFileLock | None = None
+        self._lease: Lease | None = None
+        self.lease_ttl_s = lease_ttl_s
+
+    @property
+    def excludes(self) -> bool:
+        """Whether holding this lock proves no other writer is active (so marked cuts not in flight
+        here belong to dead writers)."""
+        return self.storage.is_local or self.storage.conditional_writes
 
     def acquire(self) -> None:
         if not self.storage.is_local:
-            # Object stores have no flock; the single-writer rule is the caller's (one rank commits).
+            if self.storage.conditional_writes:
+                lease = Lease(self.storage, self.lease_ttl_s)
+                lease.acquire()
+                self._lease = lease
+            # Without conditional writes there is nothing to lock with; see the module docstring.
             return
         path = self.storage.local_path(layout.LOCK_FILE)
         assert path is not None
@@ -52,6 +80,11 @@ class WriterLock:
         info = {"host": socket.gethostname(), "pid": os.getpid(), "since": now_iso()}
         self.storage.write_durably(layout.WRITER_FILE, json.dumps(info).encode())
 
+    def ensure_held(self) -> None:
+        """Raises ``StoreLocked`` when this writer's lease was lost to another writer."""
+        if self._lease is not None:
+            self._lease.ensure_held()
+
     def holder(self) -> dict[str, Any]:
         try:
             doc = json.loads(self.storage.read_bytes(layout.WRITER_FILE))
@@ -63,7 +96,115 @@ class WriterLock:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
 
     @property
     def held(self) -> bool:
+        if self._lease is not None:
+            return not self._lease.lost
         return self._lock is not None or not self.storage.is_local
+
+
+class Lease:
+    """A renewed, conditionally written lease object on an object store (see the module docstring)."""
+
+    def __init__(self, storage: Storage, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError("lease_ttl_s must be positive")
+        self.storage = storage
+        self.ttl_s = float(ttl_s)
+        self.tag = ""
+        self.lost = False
+        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "since": now_iso(),
+                     "ttl_s": self.ttl_s, "token": uuid.uuid4().hex}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._renewed_at = 0.0
+
+    def _doc(self) -> bytes:
+        return json.dumps({**self.info, "renewed_at": now_iso()}).encode()
+
+    def acquire(self) -> None:
+        try:
+            self.tag = self.storage.put_if_absent(layout.LEASE_FILE, self._doc())
+        except FileExistsError:
+            self._take_over_or_refuse()
+        self._renewed_at = time.monotonic()
+        self._thread = threading.Thread(target=self._renew_loop, name="ckptstore-lease", daemon=True)
+        self._thread.start()
+
+    def _take_over_or_refuse(self) -> None:
+        try:
+            tag, age = self.storage.version(layout.LEASE_FILE)
+        except StorageError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            # Released between our create and our look: try the create once more.
+            try:
+                self.tag = self.storage.put_if_absent(layout.LEASE_FILE, self._doc())
+                return
+            except FileExistsError:
+                raise self._locked({}, "another writer took the lease just now") from None
+        holder = self.read_holder()
+        ttl = holder.get("ttl_s")
+        ttl = float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else self.ttl_s
+        if age <= ttl:
+            who = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}" if holder else "another writer"
+            raise self._locked(
+                holder, f"another writer holds this store's lease: {who}",
+                hint=(f"stop that writer; if it died, its lease expires {max(0.0, ttl - age):.0f} s from now "
+                      "(or open the store read-only: Store.open(url, readonly=True))"),
+            )
+        try:
+            self.tag = self.storage.put_if_match(layout.LEASE_FILE, self._doc(), tag)
+        except ConditionFailed:
+            raise self._locked(holder, "another writer took over the expired lease at the same time") from None
+
+    def _locked(self, holder: dict[str, Any], message: str, hint: str | None = None) -> StoreLocked:
+        return StoreLocked(message, holder=holder, store=self.storage.url, path=layout.LEASE_FILE,
+                           hint=hint or "stop that writer, or open the store read-only")
+
+    def read_holder(self) -> dict[str, Any]:
+        try:
+            doc = json.loads(self.storage.read_bytes(layout.LEASE_FILE))
+            return doc if isinstance(doc, dict) else {}
+        except Exception:  # noqa: BLE001 - the holder's identity is advisory only
+            return {}
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.tag = self.storage.put_if_match(layout.LEASE_FILE, self._doc(), self.tag)
+                self._renewed_at = time.monotonic()
+            except ConditionFailed:
+                self.lost = True  # someone took over: this writer must not touch the store again
+                return
+            except Exception:  # noqa: BLE001 - a transient network error: retry until the ttl runs out
+                if time.monotonic() - self._renewed_at > self.ttl_s:
+                    self.lost = True
+                    return
+
+    def ensure_held(self) -> None:
+        if self.lost or time.monotonic() - self._renewed_at > self.ttl_s:
+            self.lost = True
+            raise StoreLocked(
+                "this writer lost its lease on the store (it was not renewed within the ttl, and another "
+                "writer may have taken over); nothing more is committed or deleted by this handle",
+                holder=self.read_holder(), store=self.storage.url, path=layout.LEASE_FILE,
+                hint="reopen the store as its writer once the other writer is gone",
+            )
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.ttl_s)
+        if self.lost:
+            return
+        try:
+            tag, _ = self.storage.version(layout.LEASE_FILE)
+            if tag == self.tag:
+                self.storage.delete(layout.LEASE_FILE, durable=False)
+        except Exception:  # noqa: BLE001 - an unreleased lease only expires after the ttl
+            pass

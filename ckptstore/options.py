@@ -17,7 +17,9 @@ class StoreOptions:
     ``compression``: None (default: zstd does not pay for float state on this class of machine, see
     docs/benchmarks.md) or "zstd"; ``zstd_level`` its level. ``max_shard_bytes`` bounds a shard file.
     ``on_event`` receives one JSON-able dict per event (``events.py``). ``on_phase`` is the
-    fault-injection seam of the commit protocol (tests only).
+    fault-injection seam of the commit protocol (tests only). ``lease_ttl_s``: on object stores, how
+    long a writer's lease stays valid without renewal (it is renewed every third of that); a killed
+    writer's store can be taken over by a new writer after it (``ckptstore.lock``).
     """
 
     compression: Literal["zstd"] | None = None
@@ -26,8 +28,11 @@ class StoreOptions:
     on_event: EventSink | None = None
     on_phase: PhaseHook | None = None
     storage_options: dict[str, Any] | None = None
+    lease_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not self.lease_ttl_s > 0:
+            raise ValueError("lease_ttl_s must be positive")
         if self.compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}")
         if not -7 <= self.zstd_level <= 22:

@@ -70,7 +70,7 @@ class Store:
         self.readonly = readonly
         self.events = Emitter(self.url, options.on_event)
         self.protocol = CommitProtocol(storage, options.on_phase)
-        self._lock = WriterLock(storage)
+        self._lock = WriterLock(storage, options.lease_ttl_s)
         self._in_flight: set[str] = set()
         self._closed = False
 
@@ -163,6 +163,7 @@ class Store:
             raise UsageError(f"{what} on a closed store", store=self.url)
         if self.readonly:
             raise UsageError(f"{what} needs a writer; this store was opened readonly", store=self.url)
+        self._lock.ensure_held()
 
     # ----------------------------------------------------------------------------------------- reads
     def classify(self) -> Classification:
@@ -347,6 +348,7 @@ class Store:
                 self.events.emit("failed", cut=cut, step=manifest.step, error=str(exc), error_type=type(exc).__name__)
                 raise
             try:
+                self._lock.ensure_held()  # an object-store writer that lost its lease never commits
                 self.protocol.commit(manifest, digest)
             except BaseException as exc:
                 # Did the rename land (only the directory fsync failed)? Then LATEST names a whole cut:
@@ -401,7 +403,7 @@ class Store:
         self._require_writer("gc")
         cls = self.classify()
         report = GcReport(foreign=list(cls.foreign), dry_run=dry_run)
-        lock_excludes = self.storage.is_local
+        lock_excludes = self._lock.excludes
         for lo in cls.leftovers:
             mine = lo.cut is not None and lo.cut in self._in_flight
             dead = lo.owner_alive is False or (lock_excludes and not mine)

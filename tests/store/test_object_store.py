@@ -110,3 +110,153 @@ def test_s3_leftover_of_a_crashed_save_is_not_committed_and_gc_removes_it(s3_url
 
 def test_memory_filesystem_round_trip():
     _exercise(f"memory://ckpt-{uuid.uuid4().hex[:8]}", {})
+
+
+# ------------------------------------------------------------------------------------------------
+# One writer per store on S3: a lease object written with conditional PUTs.
+
+
+def test_s3_second_writer_gets_store_locked_naming_the_holder(s3_url):
+    url, opts = s3_url
+    options = StoreOptions(storage_options=opts)
+    with ckptstore.Store.open(url, create=True, options=options) as first:
+        first.save(_state(1), step=1)
+        with pytest.raises(ckptstore.StoreLocked) as exc:
+            ckptstore.Store.open(url, options=options)
+        assert exc.value.holder["pid"] == __import__("os").getpid()
+        assert ".writer.lease" in str(exc.value) and url in str(exc.value)
+        # Readers need no lease.
+        with ckptstore.Store.open(url, readonly=True, options=options) as reader:
+            assert reader.latest().step == 1
+        first.save(_state(2), step=2)  # the first writer is unaffected
+    # Released on close: the next writer opens at once.
+    with ckptstore.Store.open(url, options=options) as again:
+        assert again.latest().step == 2
+
+
+def test_s3_lease_is_renewed_while_the_writer_lives(s3_url):
+    url, opts = s3_url
+    options = StoreOptions(storage_options=opts, lease_ttl_s=0.9)
+    import time
+
+    with ckptstore.Store.open(url, create=True, options=options) as first:
+        time.sleep(2.5)  # well past the ttl: only renewals keep the lease fresh
+        with pytest.raises(ckptstore.StoreLocked):
+            ckptstore.Store.open(url, options=options)
+        first.save(_state(1), step=1)
+        assert first.latest().step == 1
+
+
+def test_s3_killed_writer_lease_expires_and_a_new_writer_takes_over(s3_url, tmp_path):
+    """A writer process SIGKILLed while holding the lease: the store is locked until the ttl runs out,
+    then the next writer takes over, cleans the killed writer's leftovers, and commits."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    url, opts = s3_url
+    ttl = 2.0
+    options = StoreOptions(storage_options=opts, lease_ttl_s=ttl)
+    with ckptstore.Store.open(url, create=True, options=options) as store:
+        store.save(_state(1), step=1)
+    code = f"""
+import json, os, sys, numpy as np, ckptstore
+from ckptstore import StoreOptions
+from ckptstore.layout import new_cut_id
+store = ckptstore.Store.open({url!r}, options=StoreOptions(storage_options=json.loads({json.dumps(json.dumps(opts))}), lease_ttl_s={ttl}))
+cut = new_cut_id(2)
+store.begin_cut(cut, 2, "test")   # a cut in flight when the kill lands
+print("ready", flush=True)
+sys.stdin.read()
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        killed_at = time.monotonic()
+        with pytest.raises(ckptstore.StoreLocked) as exc:
+            ckptstore.Store.open(url, options=options)
+        assert exc.value.holder["pid"] == proc.pid
+        deadline = killed_at + 10 * ttl
+        while True:
+            try:
+                store = ckptstore.Store.open(url, options=options)
+                break
+            except ckptstore.StoreLocked:
+                assert time.monotonic() < deadline, "the dead writer's lease never expired"
+                time.sleep(0.2)
+        with store:
+            assert store.classify().leftovers == []  # the killed writer's mark went on open
+            assert store.latest().step == 1
+            store.save(_state(3), step=3)
+            assert [c.step for c in store.cuts()] == [1, 3]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_s3_writer_that_lost_its_lease_never_commits(s3_url):
+    """A writer stalled past its ttl while another took the store over: its next commit raises
+    StoreLocked, and LATEST stays what the new writer committed."""
+    import time
+
+    url, opts = s3_url
+    options = StoreOptions(storage_options=opts, lease_ttl_s=1.0)
+    stalled = ckptstore.Store.open(url, create=True, options=options)
+    stalled.save(_state(1), step=1)
+    stalled._lock._lease._stop.set()  # stall the renewals, as a paused or partitioned process would
+    time.sleep(1.5)
+    with ckptstore.Store.open(url, options=options) as taker:
+        taker.save(_state(2), step=2)
+        with pytest.raises(ckptstore.StoreLocked) as exc:
+            stalled.save(_state(3), step=3)
+        assert "lost its lease" in str(exc.value)
+        with pytest.raises(ckptstore.StoreLocked):
+            stalled.prune(ckptstore.KeepLast(1))
+        assert taker.latest().step == 2
+        assert [c.step for c in taker.cuts()] == [1, 2]
+    stalled.close()
+    assert ckptstore.load(url, storage_options=opts)["step"] == 2
+
+
+def test_memory_filesystem_has_no_lease_and_says_so():
+    from ckptstore.lock import WriterLock
+
+    store = ckptstore.Store.open(f"memory://ckpt-{uuid.uuid4().hex[:8]}", create=True)
+    try:
+        assert store.storage.conditional_writes is False
+        assert isinstance(store._lock, WriterLock) and store._lock.excludes is False
+    finally:
+        store.close()
+
+
+def test_s3_renewal_that_finds_the_lease_replaced_stops_the_writer(s3_url):
+    """Someone else wrote the lease object (a writer that judged it stale): the holder's next renewal
+    fails its If-Match, and from then on the holder commits nothing."""
+    import time
+
+    url, opts = s3_url
+    options = StoreOptions(storage_options=opts, lease_ttl_s=0.9)
+    store = ckptstore.Store.open(url, create=True, options=options)
+    try:
+        store.save(_state(1), step=1)
+        lease_path = f"{url[5:]}/.writer.lease"
+        store.storage.fs.pipe_file(lease_path, b'{"host": "elsewhere", "pid": 1, "ttl_s": 60}')  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 5
+        while not store._lock._lease.lost:
+            assert time.monotonic() < deadline, "the renewal never noticed the replaced lease"
+            time.sleep(0.05)
+        with pytest.raises(ckptstore.StoreLocked) as exc:
+            store.save(_state(2), step=2)
+        assert exc.value.holder.get("host") == "elsewhere"
+        assert store.latest().step == 1
+    finally:
+        store.close()
+    # The closing writer must not delete a lease that is no longer its own.
+    with pytest.raises(ckptstore.StoreLocked):
+        ckptstore.Store.open(url, options=options)
