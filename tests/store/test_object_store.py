@@ -136,11 +136,11 @@ def test_s3_second_writer_gets_store_locked_naming_the_holder(s3_url):
 
 def test_s3_lease_is_renewed_while_the_writer_lives(s3_url):
     url, opts = s3_url
-    options = StoreOptions(storage_options=opts, lease_ttl_s=0.9)
+    options = StoreOptions(storage_options=opts, lease_ttl_s=1.5)
     import time
 
     with ckptstore.Store.open(url, create=True, options=options) as first:
-        time.sleep(2.5)  # well past the ttl: only renewals keep the lease fresh
+        time.sleep(4.0)  # well past the ttl: only renewals keep the lease fresh
         with pytest.raises(ckptstore.StoreLocked):
             ckptstore.Store.open(url, options=options)
         first.save(_state(1), step=1)
@@ -241,7 +241,7 @@ def test_s3_renewal_that_finds_the_lease_replaced_stops_the_writer(s3_url):
     import time
 
     url, opts = s3_url
-    options = StoreOptions(storage_options=opts, lease_ttl_s=0.9)
+    options = StoreOptions(storage_options=opts, lease_ttl_s=1.5)
     store = ckptstore.Store.open(url, create=True, options=options)
     try:
         store.save(_state(1), step=1)
