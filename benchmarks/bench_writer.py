@@ -236,6 +236,8 @@ class Saver:
             kw: dict[str, Any] = {"mode": "thread" if variant == "ckpt-thread" else "process"}
             if "idleio" in variant:
                 kw["idle_io"] = True
+            if variant.endswith("-nice19"):
+                kw["nice"] = 19
             if "pin" in variant:
                 cpus = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
                 kw["cpu_affinity"] = (cpus[-1],)
@@ -732,13 +734,15 @@ SPIN_CODE = f"import os, time\nos.nice(10)\nend = time.monotonic() + {SPIN_S}\nw
 LOOP_VARIANTS = {
     1: ["none", "spin", "ckpt-process", "ckpt-process-pin", "ckpt-process-idleio", "ckpt-thread", "dcp-thread",
         "dcp-process"],
-    2: ["none", "spin", "ckpt-process", "ckpt-process-idleio", "ckpt-thread", "dcp-thread", "dcp-process"],
+    2: ["none", "spin", "ckpt-process", "ckpt-process-nice19", "ckpt-process-idleio", "ckpt-thread", "dcp-thread",
+        "dcp-process"],
 }
 LABEL = {
     "none": "no checkpoint (noise floor: idle steps in the window)",
     "spin": f"control: a nice-10 process spinning a pure-Python loop for {SPIN_S} s (no I/O, no checkpoint)",
     "ckpt-process": "ckptstore process mode (nice 10, default)",
     "ckpt-process-pin": "ckptstore process, trainer pinned to CPU 0, writer cpu_affinity=(1,)",
+    "ckpt-process-nice19": "ckptstore process, nice=19",
     "ckpt-process-idleio": "ckptstore process, idle_io=True",
     "ckpt-thread": "ckptstore thread mode",
     "dcp-thread": "DCP async_save, thread executor (default)",
@@ -891,7 +895,7 @@ def report(args: argparse.Namespace, R: dict[str, Any], cmd: str, started: str, 
             L.append("")
             L.append(f"Idle noise: p90/median of idle steps {fmt([x['idle_p90_over_med'] for x in nn['reps']])}; "
                      f"post/pre idle medians {fmt([x['post_med'] / x['pre_med'] for x in nn['reps']])}.")
-        for v in ("ckpt-process", "ckpt-process-pin", "ckpt-process-idleio", "ckpt-thread"):
+        for v in ("ckpt-process", "ckpt-process-pin", "ckpt-process-nice19", "ckpt-process-idleio", "ckpt-thread"):
             r = loops.get(v)
             if r and "error" not in r:
                 ws = [x["written"] for x in r["reps"] if "written" in x]
