@@ -28,6 +28,7 @@ Two backends, both chosen from a URL through fsspec:
 from __future__ import annotations
 
 import ctypes
+import datetime
 import errno
 import fcntl
 import mmap
@@ -588,16 +589,14 @@ class ObjectStorage(Storage):
         return str((out or {}).get("ETag", ""))
 
     def version(self, rel: str) -> tuple[str, float]:
-        import datetime as _dt
-
         try:
             info = self.fs.info(self._abs(rel), refresh=True)
         except OSError as exc:
             raise self._error(exc, "head", rel) from exc
         modified = info.get("LastModified")
         age = 0.0
-        if isinstance(modified, _dt.datetime):
-            age = (_dt.datetime.now(_dt.timezone.utc) - modified).total_seconds()
+        if isinstance(modified, datetime.datetime):
+            age = (datetime.datetime.now(datetime.timezone.utc) - modified).total_seconds()
         return str(info.get("ETag", "")), age
 
     def open_sink(self, rel: str) -> Sink:

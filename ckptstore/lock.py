@@ -40,6 +40,15 @@ from .protocol import now_iso
 DEFAULT_LEASE_TTL_S = 30.0
 
 
+def read_holder(storage: Storage, rel: str) -> dict[str, Any]:
+    """Who holds the lock, from ``WRITER.json`` or the lease object ({} when unreadable: advisory only)."""
+    try:
+        doc = json.loads(storage.read_bytes(rel))
+        return doc if isinstance(doc, dict) else {}
+    except Exception:  # noqa: BLE001 - the holder's identity is advisory only
+        return {}
+
+
 class WriterLock:
     def __init__(self, storage: Storage, lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
         self.storage = storage
@@ -67,7 +76,7 @@ class WriterLock:
         try:
             lock.acquire(timeout=0)
         except filelock.Timeout:
-            holder = self.holder()
+            holder = read_holder(self.storage, layout.WRITER_FILE)
             who = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}" if holder else "another process"
             raise StoreLocked(
                 f"another writer holds this store: {who}",
@@ -85,13 +94,6 @@ class WriterLock:
         if self._lease is not None:
             self._lease.ensure_held()
 
-    def holder(self) -> dict[str, Any]:
-        try:
-            doc = json.loads(self.storage.read_bytes(layout.WRITER_FILE))
-            return doc if isinstance(doc, dict) else {}
-        except Exception:  # noqa: BLE001 - the holder file is advisory only
-            return {}
-
     def release(self) -> None:
         if self._lock is not None:
             self._lock.release()
@@ -99,12 +101,6 @@ class WriterLock:
         if self._lease is not None:
             self._lease.release()
             self._lease = None
-
-    @property
-    def held(self) -> bool:
-        if self._lease is not None:
-            return not self._lease.lost
-        return self._lock is not None or not self.storage.is_local
 
 
 class Lease:
@@ -147,7 +143,7 @@ class Lease:
                 return
             except FileExistsError:
                 raise self._locked({}, "another writer took the lease just now") from None
-        holder = self.read_holder()
+        holder = read_holder(self.storage, layout.LEASE_FILE)
         ttl = holder.get("ttl_s")
         ttl = float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else self.ttl_s
         if age <= ttl:
@@ -165,13 +161,6 @@ class Lease:
     def _locked(self, holder: dict[str, Any], message: str, hint: str | None = None) -> StoreLocked:
         return StoreLocked(message, holder=holder, store=self.storage.url, path=layout.LEASE_FILE,
                            hint=hint or "stop that writer, or open the store read-only")
-
-    def read_holder(self) -> dict[str, Any]:
-        try:
-            doc = json.loads(self.storage.read_bytes(layout.LEASE_FILE))
-            return doc if isinstance(doc, dict) else {}
-        except Exception:  # noqa: BLE001 - the holder's identity is advisory only
-            return {}
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
@@ -192,7 +181,7 @@ class Lease:
             raise StoreLocked(
                 "this writer lost its lease on the store (it was not renewed within the ttl, and another "
                 "writer may have taken over); nothing more is committed or deleted by this handle",
-                holder=self.read_holder(), store=self.storage.url, path=layout.LEASE_FILE,
+                holder=read_holder(self.storage, layout.LEASE_FILE), store=self.storage.url, path=layout.LEASE_FILE,
                 hint="reopen the store as its writer once the other writer is gone",
             )
 

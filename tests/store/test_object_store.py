@@ -210,8 +210,15 @@ def test_s3_writer_that_lost_its_lease_never_commits(s3_url):
     stalled = ckptstore.Store.open(url, create=True, options=options)
     stalled.save(_state(1), step=1)
     stalled._lock._lease._stop.set()  # stall the renewals, as a paused or partitioned process would
-    time.sleep(1.5)
-    with ckptstore.Store.open(url, options=options) as taker:
+    deadline = time.monotonic() + 10
+    while True:  # the next writer gets in once the stalled lease is older than its ttl
+        try:
+            taker = ckptstore.Store.open(url, options=options)
+            break
+        except ckptstore.StoreLocked:
+            assert time.monotonic() < deadline, "the stalled writer's lease never expired"
+            time.sleep(0.1)
+    with taker:
         taker.save(_state(2), step=2)
         with pytest.raises(ckptstore.StoreLocked) as exc:
             stalled.save(_state(3), step=3)
