@@ -37,7 +37,6 @@ import platform
 import shlex
 import shutil
 import socket
-import statistics
 import sys
 import tempfile
 import threading
@@ -71,7 +70,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, REPO)
 import ckptstore  # noqa: E402
-from benchstate import build_state, fsync_path  # noqa: E402
+from benchstate import build_state, fmt, fsync_path, machine_lines, med  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------
@@ -125,18 +124,6 @@ class Series:
     seconds: list[float] = field(default_factory=list)
     rss_mb: list[float] = field(default_factory=list)
     extra: dict[str, list[float]] = field(default_factory=dict)
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def fmt(xs: list[float], digits: int = 2) -> str:
-    if not xs:
-        return "n/a"
-    if len(xs) == 1:
-        return f"{xs[0]:.{digits}f}"
-    return f"{med(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
 
 
 def fsync_tree(root: str) -> None:
@@ -407,12 +394,7 @@ class Bench:
         shards = shard_files(store_dir)
 
         def raw_read() -> None:
-            buf = bytearray(8 << 20)
-            mv = memoryview(buf)
-            for p in shards:
-                with open(p, "rb", buffering=0) as f:
-                    while f.readinto(mv):
-                        pass
+            warm_files(shards)
 
         return [
             (DISK_READ, raw_read, shards),
@@ -541,32 +523,10 @@ def _ordered(table: dict[str, Series]) -> list[tuple[str, Series]]:
 
 
 def machine_summary() -> list[str]:
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = psutil.virtual_memory().total / 2**30
-    fs = "?"
-    try:
-        target = os.path.realpath(REPO)
-        best = ""
-        with open("/proc/mounts") as f:
-            for line in f:
-                dev, mnt, typ, opts = line.split()[:4]
-                if target.startswith(mnt) and len(mnt) > len(best):
-                    best, fs = mnt, f"{typ} on {dev} ({mnt}, {opts})"
-    except OSError:
-        pass
     import safetensors
 
     return [
-        f"CPU: {cpu}, {os.cpu_count()} logical cores; RAM {mem:.1f} GiB; kernel {platform.release()}",
-        f"Scratch file system: {fs}",
+        *machine_lines(REPO),
         f"Python {platform.python_version()}, torch {torch.__version__}, safetensors {safetensors.__version__}, "
         f"blake3 {getattr(blake3, '__version__', '?')}, psutil {psutil.__version__}, ckptstore {ckptstore.__version__}",
         f"Host: {socket.gethostname()}",

@@ -45,14 +45,13 @@ import shlex
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
-from benchstate import build_state, fsync_path
+from benchstate import build_state, fmt, fsync_path, machine_lines, med
 
 GB = 1e9
 ALIGN = 4096
@@ -64,10 +63,6 @@ PRE_STEPS, POST_STEPS, NONE_WINDOW_STEPS = 100, 50, 30
 # small helpers shared by parent and children (no torch here)
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def pct(xs: list[float], q: float) -> float:
     """Nearest-rank style percentile (q in [0, 1]) with linear interpolation."""
     s = sorted(xs)
@@ -77,15 +72,6 @@ def pct(xs: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def fmt(xs: list[float] | None, digits: int = 2) -> str:
-    xs = [x for x in (xs or []) if x is not None]
-    if not xs:
-        return "n/a"
-    if len(xs) == 1:
-        return f"{xs[0]:.{digits}f}"
-    return f"{med(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
 
 
 PSS_KEYS = (b"Pss:", b"Pss_Anon:", b"Pss_File:", b"Pss_Shmem:")
@@ -111,19 +97,25 @@ def pss_of(pid: int) -> int | None:
     return None if parts is None else parts[0]
 
 
+def stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return data[data.rfind(b")") + 2:].split()
+
+
 def children_of(pid: int) -> list[int]:
     """All descendants of pid (from /proc/*/stat ppid fields)."""
     parent: dict[int, int] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        rest = data[data.rfind(b")") + 2:].split()
-        parent[int(name)] = int(rest[1])
+        rest = stat_fields(name)
+        if rest is not None:
+            parent[int(name)] = int(rest[1])
     out, frontier = [], [pid]
     while frontier:
         p = frontier.pop()
@@ -147,13 +139,9 @@ def tree_cpu(pid: int) -> float:
     total = 0.0
     tick = os.sysconf("SC_CLK_TCK")
     for p in [pid, *children_of(pid)]:
-        try:
-            with open(f"/proc/{p}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        rest = data[data.rfind(b")") + 2:].split()
-        total += (int(rest[11]) + int(rest[12])) / tick
+        rest = stat_fields(p)
+        if rest is not None:
+            total += (int(rest[11]) + int(rest[12])) / tick
     return total
 
 
@@ -688,33 +676,7 @@ def mem_summary(res: dict[str, Any], s: TreeSampler) -> dict[str, Any]:
 
 
 def machine_summary() -> list[str]:
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    with open("/proc/meminfo") as f:
-        mem_kb = int(f.readline().split()[1])
-    fs = "?"
-    try:
-        target = os.path.realpath(REPO)
-        best = ""
-        with open("/proc/mounts") as f:
-            for line in f:
-                dev, mnt, typ, opts = line.split()[:4]
-                if target.startswith(mnt) and len(mnt) > len(best):
-                    best, fs = mnt, f"{typ} on {dev} ({mnt}, {opts})"
-    except OSError:
-        pass
-    return [
-        f"CPU: {cpu}, {os.cpu_count()} logical cores; RAM {mem_kb / 2**20:.1f} GiB; kernel {platform.release()}",
-        f"Scratch file system: {fs}",
-        f"Python {platform.python_version()}; host {socket.gethostname()}",
-    ]
+    return [*machine_lines(REPO), f"Python {platform.python_version()}; host {socket.gethostname()}"]
 
 
 def ratio_list(a: list[float], b: list[float]) -> list[float]:

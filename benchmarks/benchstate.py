@@ -1,10 +1,13 @@
 """What both benchmarks share, with no import-time side effects (bench_store pins glibc's mmap
-threshold when imported, so neither benchmark imports the other): the reference training state and
-fsync of a path. torch is imported lazily."""
+threshold when imported, so neither benchmark imports the other): the reference training state,
+fsync of a path, the "median (min-max)" formatting and the machine lines of a report. torch is
+imported lazily."""
 
 from __future__ import annotations
 
 import os
+import platform
+import statistics
 from typing import Any
 
 
@@ -73,3 +76,47 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def fmt(xs: list[float] | None, digits: int = 2) -> str:
+    """"median (min-max)" of the values that are not None; "n/a" when there are none."""
+    xs = [x for x in (xs or []) if x is not None]
+    if not xs:
+        return "n/a"
+    if len(xs) == 1:
+        return f"{xs[0]:.{digits}f}"
+    return f"{med(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
+
+
+def machine_lines(scratch: str) -> list[str]:
+    """The CPU, memory and kernel line and the file system holding ``scratch``, for a report."""
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    with open("/proc/meminfo") as f:
+        mem_kb = int(f.readline().split()[1])
+    fs = "?"
+    try:
+        target = os.path.realpath(scratch)
+        best = ""
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, typ, opts = line.split()[:4]
+                if target.startswith(mnt) and len(mnt) > len(best):
+                    best, fs = mnt, f"{typ} on {dev} ({mnt}, {opts})"
+    except OSError:
+        pass
+    return [
+        f"CPU: {cpu}, {os.cpu_count()} logical cores; RAM {mem_kb / 2**20:.1f} GiB; kernel {platform.release()}",
+        f"Scratch file system: {fs}",
+    ]
