@@ -116,6 +116,19 @@ def test_memory_filesystem_round_trip():
 # One writer per store on S3: a lease object written with conditional PUTs.
 
 
+def _open_once_the_lease_expires(url: str, options: StoreOptions, deadline: float) -> ckptstore.Store:
+    """Opens the store as its writer, retrying while another writer's lease is still fresh; fails the
+    test if the lease is still held at ``deadline`` (time.monotonic())."""
+    import time
+
+    while True:
+        try:
+            return ckptstore.Store.open(url, options=options)
+        except ckptstore.StoreLocked:
+            assert time.monotonic() < deadline, "the other writer's lease never expired"
+            time.sleep(0.1)
+
+
 def test_s3_second_writer_gets_store_locked_naming_the_holder(s3_url):
     url, opts = s3_url
     options = StoreOptions(storage_options=opts)
@@ -181,15 +194,7 @@ sys.stdin.read()
         with pytest.raises(ckptstore.StoreLocked) as exc:
             ckptstore.Store.open(url, options=options)
         assert exc.value.holder["pid"] == proc.pid
-        deadline = killed_at + 10 * ttl
-        while True:
-            try:
-                store = ckptstore.Store.open(url, options=options)
-                break
-            except ckptstore.StoreLocked:
-                assert time.monotonic() < deadline, "the dead writer's lease never expired"
-                time.sleep(0.2)
-        with store:
+        with _open_once_the_lease_expires(url, options, deadline=killed_at + 10 * ttl) as store:
             assert store.classify().leftovers == []  # the killed writer's mark went on open
             assert store.latest().step == 1
             store.save(_state(3), step=3)
@@ -210,15 +215,7 @@ def test_s3_writer_that_lost_its_lease_never_commits(s3_url):
     stalled = ckptstore.Store.open(url, create=True, options=options)
     stalled.save(_state(1), step=1)
     stalled._lock._lease._stop.set()  # stall the renewals, as a paused or partitioned process would
-    deadline = time.monotonic() + 10
-    while True:  # the next writer gets in once the stalled lease is older than its ttl
-        try:
-            taker = ckptstore.Store.open(url, options=options)
-            break
-        except ckptstore.StoreLocked:
-            assert time.monotonic() < deadline, "the stalled writer's lease never expired"
-            time.sleep(0.1)
-    with taker:
+    with _open_once_the_lease_expires(url, options, deadline=time.monotonic() + 10) as taker:
         taker.save(_state(2), step=2)
         with pytest.raises(ckptstore.StoreLocked) as exc:
             stalled.save(_state(3), step=3)
