@@ -8,7 +8,8 @@ second writer's ``StoreLocked`` names the holder. Readers take no lock.
 Object stores (S3 and compatible): no flock exists, so the writer holds a **lease**, the object
 ``.writer.lease`` created with a conditional PUT (``If-None-Match: *``) and renewed every ttl/3 with
 ``If-Match`` on its last ETag. A second writer finds it and gets ``StoreLocked`` naming the holder; a
-lease nobody renewed for ``lease_ttl_s`` (its holder was killed) is taken over with ``If-Match`` on the
+lease nobody renewed for ``lease_ttl_s`` + 1 s (LastModified resolution; the holder gives it up after
+``lease_ttl_s`` counted from before its PUT) is taken over with ``If-Match`` on the
 stale ETag, so exactly one of several contenders wins. A writer whose renewal lost (another writer took
 the lease after it stalled longer than the ttl) stops: every later commit, prune or gc raises
 ``StoreLocked`` instead of touching the store. Staleness is judged by the object's LastModified (the
@@ -38,6 +39,7 @@ from .fs import ConditionFailed, Storage
 from .protocol import now_iso
 
 DEFAULT_LEASE_TTL_S = 30.0
+LAST_MODIFIED_RESOLUTION_S = 1.0
 
 
 def read_holder(storage: Storage, rel: str) -> dict[str, Any]:
@@ -123,11 +125,14 @@ class Lease:
         return json.dumps({**self.info, "renewed_at": now_iso()}).encode()
 
     def acquire(self) -> None:
+        # The clock starts before the PUT is sent: the object's LastModified is no earlier than this,
+        # so this writer gives the lease up no later than any contender may judge it expired.
+        started = time.monotonic()
         try:
             self.tag = self.storage.put_if_absent(layout.LEASE_FILE, self._doc())
         except FileExistsError:
             self._take_over_or_refuse()
-        self._renewed_at = time.monotonic()
+        self._renewed_at = started
         self._thread = threading.Thread(target=self._renew_loop, name="ckptstore-lease", daemon=True)
         self._thread.start()
 
@@ -146,6 +151,9 @@ class Lease:
         holder = read_holder(self.storage, layout.LEASE_FILE)
         ttl = holder.get("ttl_s")
         ttl = float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else self.ttl_s
+        # S3's LastModified has whole-second resolution (truncated), so the age read here can be up to
+        # a second too large: wait that second more, or a live holder could still be inside its ttl.
+        ttl += LAST_MODIFIED_RESOLUTION_S
         if age <= ttl:
             who = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}" if holder else "another writer"
             raise self._locked(
@@ -164,9 +172,10 @@ class Lease:
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
+            started = time.monotonic()
             try:
                 self.tag = self.storage.put_if_match(layout.LEASE_FILE, self._doc(), self.tag)
-                self._renewed_at = time.monotonic()
+                self._renewed_at = started
             except ConditionFailed:
                 self.lost = True  # someone took over: this writer must not touch the store again
                 return
