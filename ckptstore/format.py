@@ -124,11 +124,13 @@ def encode_header(entries: list[tuple[str, str, list[int], int]], metadata: dict
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise HostileInput(f"duplicate key {k!r} in shard header")
-        out[k] = v
+    out = dict(pairs)  # one C call; the loop below only runs to name a duplicate
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise HostileInput(f"duplicate key {k!r} in shard header")
+            seen.add(k)
     return out
 
 

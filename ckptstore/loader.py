@@ -1,6 +1,6 @@
 """Loading a committed cut back into the structure that was saved.
 
-Every byte is hashed while it is read (one pass), straight into the memory of the tensors returned;
+Every byte is hashed once, while it is read (one pass), straight into the memory of the tensors returned;
 a partial load (``keys``) reads only the bytes those keys need and checks each array's own blake3.
 Nothing is unpickled unless the caller passes ``allow_pickle=True``.
 """
@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from .arrays import empty_for, finish_tensor
 from .errors import CorruptCut, UsageError
-from .fs import Storage
+from .storage import Storage
 from .manifest import Manifest, TensorRecord
 from .shards import check_header_matches, read_header, read_shard_into, read_tensor_range
 from .tree import leaf_names, unflatten
@@ -74,7 +74,7 @@ def load_manifest(
             scratch[t.name] = memoryview(bytearray(t.nbytes))
             return scratch[t.name]
 
-        read_shard_into(storage, m.cut, rec, in_file, dest, verify=verify)
+        read_shard_into(storage, m.cut, rec, in_file, dest, format_version=m.format_version, verify=verify)
         if _on_device(map_location):
             # Move this shard's tensors now, so host memory holds at most one shard (max_shard_bytes)
             # at a time instead of the whole state.

@@ -7,9 +7,11 @@ writer of rank 0 (the coordinator) publishes it once every rank's files are dura
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -29,7 +31,12 @@ class WriterIdentity(StrictModel):
 
 class FileRecord(StrictModel):
     """One shard file. ``nbytes``/``blake3`` describe the bytes stored; ``raw_*`` the safetensors bytes
-    before compression (equal to the stored ones when ``codec`` is "none")."""
+    before compression (equal to the stored ones when ``codec`` is "none").
+
+    What the digests are depends on the manifest's ``format_version`` (docs/format.md): in 1 both are
+    the plain blake3 of the bytes; in 2 ``raw_blake3`` is the v2 file digest (header bytes plus each
+    tensor's size and blake3) and ``blake3`` the same for codec "none", the plain blake3 of the
+    compressed bytes for "zstd"."""
 
     name: FileName
     rank: int = Field(ge=0)
@@ -42,46 +49,72 @@ class FileRecord(StrictModel):
 
 class TensorRecord(StrictModel):
     """One array: where its raw bytes are (shard ``file`` and ``offset`` in its data section), what
-    they are, and their blake3."""
+    they are, and their blake3.
+
+    The field rules here are all checked by pydantic's core; the rules that tie fields together
+    (known dtype, ``nbytes == prod(shape) * itemsize``) are :func:`check_tensor`, which the Manifest
+    runs over all its records in one loop (a per-record pydantic ``model_validator`` cost a Python
+    call through pydantic per record: 40,000 small tensors validated 0.15 s slower)."""
 
     name: str = Field(min_length=1, max_length=4096)
     kind: Literal["torch", "numpy"]
     dtype: str
-    shape: list[int]
+    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=64)
     nbytes: int = Field(ge=0)
     file: FileName
     offset: int = Field(ge=0)
     blake3: str = Field(pattern=_HEX64)
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "TensorRecord":
-        if any(d < 0 for d in self.shape) or len(self.shape) > 64:
-            raise ValueError("shape must be at most 64 non-negative sizes")
-        if self.kind == "torch":
-            if self.dtype not in TORCH_DTYPES:
-                raise ValueError(f"unknown torch dtype {self.dtype!r}")
-            itemsize = TORCH_DTYPES[self.dtype][1]
-        else:
-            itemsize = _numpy_itemsize(self.dtype)
-        if math.prod(self.shape) * itemsize != self.nbytes:
-            raise ValueError(f"{self.dtype}{self.shape} needs {math.prod(self.shape) * itemsize} bytes, not {self.nbytes}")
-        return self
+
+_NUMPY_DTYPE = re.compile(r"[<>|=]([biufcmM])(\d{1,2})(\[[a-zA-Z]+\])?")
 
 
 def _numpy_itemsize(dtype: str) -> int:
-    import re
-
-    m = re.fullmatch(r"[<>|=]([biufcmM])(\d{1,2})(\[[a-zA-Z]+\])?", dtype)
+    m = _NUMPY_DTYPE.fullmatch(dtype)
     if m is None:
         raise ValueError(f"unsupported numpy dtype {dtype!r}")
     return int(m.group(2))
 
 
+def _itemsize(kind: str, dtype: str) -> int:
+    if kind == "torch":
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"unknown torch dtype {dtype!r}")
+        return TORCH_DTYPES[dtype][1]
+    return _numpy_itemsize(dtype)
+
+
+def check_tensor(t: TensorRecord, itemsizes: dict[tuple[str, str], int] | None = None) -> None:
+    """Raises ValueError unless the record's shape, dtype and ``nbytes`` agree (at most 64
+    non-negative sizes, a dtype of its kind, ``nbytes == prod(shape) * itemsize``). ``itemsizes``
+    caches the dtype lookups across records."""
+    shape = t.shape
+    if len(shape) > 64 or any(d < 0 for d in shape):
+        raise ValueError(f"tensor {t.name!r}: shape must be at most 64 non-negative sizes")
+    key = (t.kind, t.dtype)
+    itemsize = itemsizes.get(key) if itemsizes is not None else None
+    if itemsize is None:
+        try:
+            itemsize = _itemsize(t.kind, t.dtype)
+        except ValueError as exc:
+            raise ValueError(f"tensor {t.name!r}: {exc}") from None
+        if itemsizes is not None:
+            itemsizes[key] = itemsize
+    need = math.prod(shape) * itemsize
+    if need != t.nbytes:
+        raise ValueError(f"tensor {t.name!r}: {t.dtype}{shape} needs {need} bytes, not {t.nbytes}")
+
+
 class Manifest(StrictModel):
+    """A cut's manifest. New manifests are ``format_version`` 2; version 1 manifests (plain file
+    hashes, pretty-printed JSON) still read, verify and load as they always did."""
+
     KIND = "ckptstore.manifest"
+    FORMAT_VERSION: ClassVar[int] = 2
+    READ_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)
 
     kind: Literal["ckptstore.manifest"] = "ckptstore.manifest"
-    format_version: Literal[1] = 1
+    format_version: Literal[1, 2] = 2
     cut: CutId
     step: int = Field(ge=0, le=layout.MAX_STEP)
     tags: list[str] = Field(default_factory=list)
@@ -109,6 +142,7 @@ class Manifest(StrictModel):
         if len(files) != len(self.files):
             raise ValueError("duplicate file names")
         names = set()
+        itemsizes: dict[tuple[str, str], int] = {}
         for t in self.tensors:
             if t.file not in files:
                 raise ValueError(f"tensor {t.name!r} names unknown file {t.file!r}")
@@ -117,7 +151,20 @@ class Manifest(StrictModel):
             names.add(t.name)
             if t.offset + t.nbytes > files[t.file].raw_nbytes:
                 raise ValueError(f"tensor {t.name!r} lies past the end of {t.file!r}")
+            check_tensor(t, itemsizes)
         return self
+
+    def to_bytes(self) -> bytes:
+        """Version 2: compact JSON (the C encoder; ``indent`` would force the pure-Python one, half a
+        save of 40,000 small tensors). Version 1 keeps its pretty-printed bytes."""
+        if self.format_version == 1:
+            return super().to_bytes()
+        dumped = self.model_dump(mode="json", exclude={"tensors"})
+        # A TensorRecord holds JSON values only (str, int, list of int), so its field dict is what
+        # model_dump would make of it, without the cost (0.3 s for 40,000 records).
+        tensors = [t.__dict__ for t in self.tensors]
+        doc = {k: tensors if k == "tensors" else dumped[k] for k in type(self).model_fields}
+        return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
 
     @property
     def nbytes(self) -> int:
@@ -127,4 +174,4 @@ class Manifest(StrictModel):
         return {t.name: t for t in self.tensors}
 
 
-__all__ = ["Manifest", "FileRecord", "TensorRecord", "WriterIdentity", "ST_ITEMSIZE"]
+__all__ = ["Manifest", "FileRecord", "TensorRecord", "WriterIdentity", "ST_ITEMSIZE", "check_tensor"]

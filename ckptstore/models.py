@@ -36,7 +36,9 @@ class StrictModel(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
     KIND: ClassVar[str] = ""
+    #: The format_version this ckptstore writes, and every version ``from_bytes`` accepts.
     FORMAT_VERSION: ClassVar[int] = 1
+    READ_VERSIONS: ClassVar[tuple[int, ...]] = (1,)
 
     def to_bytes(self) -> bytes:
         return (json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=False) + "\n").encode()
@@ -53,10 +55,12 @@ class StrictModel(BaseModel):
             raise ManifestError(f"{what} is not a JSON object", **where)
         if doc.get("kind") != cls.KIND:
             raise ManifestError(f"expected kind {cls.KIND!r}, found {doc.get('kind')!r}", **where)
-        if doc.get("format_version") != cls.FORMAT_VERSION:
+        version = doc.get("format_version")
+        if type(version) is not int or version not in cls.READ_VERSIONS:
+            readable = ", ".join(str(v) for v in cls.READ_VERSIONS)
             raise ManifestError(
-                f"{what} format_version {doc.get('format_version')!r} is not supported "
-                f"(this ckptstore reads version {cls.FORMAT_VERSION}); upgrade ckptstore",
+                f"{what} format_version {version!r} is not supported "
+                f"(this ckptstore reads version {readable}); upgrade ckptstore",
                 **where,
             )
         try:

@@ -1,19 +1,23 @@
 """Writing and reading shard files: hashing while the bytes pass, with no torch anywhere.
 
 ``plan_shards`` splits arrays into shards of bounded size; ``write_shard`` streams one shard through a
-storage sink (header, then each array in 8 MiB pieces, each piece hashed for its array and for the
-file while the previous piece is on its way to disk) and returns the manifest records;
-``read_shard_into`` streams a shard back into caller-provided buffers, checking the header against the
-manifest and every hash on the way. The writer subprocess uses the same functions on views of the
-shared-memory block.
+storage sink (header, then each array in 8 MiB pieces, each piece hashed once, for its array, while the
+previous piece is on its way to disk) and returns the manifest records, the file's digest built from
+the header bytes and the array digests (format v2, docs/format.md); ``write_shards`` is the one loop
+that writes a rank's shards. ``read_shard_into`` streams a shard back into caller-provided buffers,
+checking the header against the manifest and every hash on the way (again each byte hashed once).
+The writer subprocess uses the same functions on views of the shared-memory block.
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
+import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterable, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Sequence
 
 import zstandard
 
@@ -21,7 +25,7 @@ from . import hashing, layout
 from .arrays import ArrayItem
 from .errors import CorruptCut, MissingFile, StorageError, TruncatedFile
 from .format import DATA_ALIGN, ShardHeader, decode_header, encode_header, header_dtype
-from .fs import Storage
+from .storage import Storage
 from .manifest import FileRecord, TensorRecord
 
 PIECE = 8 << 20
@@ -96,8 +100,10 @@ def write_shard(
     timings: dict[str, float] | None = None,
     hash_threads: int = hashing.AUTO,
 ) -> tuple[FileRecord, list[TensorRecord]]:
-    """Writes one shard file durably (fsynced on close) and returns its manifest records. On any error
-    the partial file is removed and the error raised with the store, cut and file named. ``timings``
+    """Writes one shard file durably (fsynced on close) and returns its manifest records (format v2:
+    each raw byte is hashed once, for its array; the file digest is built from the header bytes and
+    the array digests; a zstd file's stored bytes are hashed once more, plainly). On any error the
+    partial file is removed and the error raised with the store, cut and file named. ``timings``
     accumulates seconds spent hashing, handing bytes to the sink, and in the final flush + fsync.
     ``hash_threads``: blake3 threads per update (default every core; the background writer process
     uses 1 so it stays on one core). The digests do not depend on it."""
@@ -111,10 +117,9 @@ def write_shard(
     sink = storage.open_sink(rel)
     try:
         out = _Compressing(sink, codec, hash_threads) if codec.name == "zstd" else sink
-        raw_hash = hashing.new_hasher(threads=hash_threads)
-        raw_hash.update(header)
         out.write(header)
         records = []
+        digests: list[tuple[int, bytes]] = []
         offset = 0
         for it in items:
             th = hashing.new_hasher(threads=hash_threads)
@@ -123,22 +128,24 @@ def write_shard(
                 piece = data[start : start + PIECE]
                 t0 = clock()
                 th.update(piece)
-                raw_hash.update(piece)
                 t1 = clock()
                 out.write(piece)
                 t_hash += t1 - t0
                 t_write += clock() - t1
                 if on_bytes is not None:
                     on_bytes(len(piece))
+            d = th.digest()
+            digests.append((it.nbytes, d))
             records.append(
                 TensorRecord(
                     name=it.name, kind=it.kind, dtype=it.dtype, shape=list(it.shape), nbytes=it.nbytes,
-                    file=name, offset=offset, blake3=th.hexdigest(),
+                    file=name, offset=offset, blake3=d.hex(),
                 )
             )
             offset += it.nbytes
         raw_nbytes = len(header) + offset
-        raw_digest = raw_hash.hexdigest()
+        # The items are in file order (ascending offset), as the v2 digest lists them.
+        raw_digest = hashing.file_digest_v2(header, digests)
         if isinstance(out, _Compressing):
             out.finish()
             stored_nbytes, stored_digest = out.count, out.hasher.hexdigest()
@@ -162,6 +169,35 @@ def write_shard(
     return record, records
 
 
+def write_shards(
+    storage: Storage,
+    cut: str,
+    rank: int,
+    items: Sequence[ArrayItem],
+    *,
+    codec: Codec,
+    max_shard_bytes: int,
+    on_bytes: Callable[[int], None] | None = None,
+    timings: dict[str, float] | None = None,
+    hash_threads: int = hashing.AUTO,
+    on_shard: Callable[[], None] | None = None,
+) -> tuple[list[FileRecord], list[TensorRecord]]:
+    """The one shard-writing loop (the store's save, the Checkpointer's fallback and the writer
+    process all call it): plans ``items`` into shards of at most ``max_shard_bytes``, writes each
+    durably, and returns every record. ``on_shard`` runs after each shard is durable."""
+    files: list[FileRecord] = []
+    tensors: list[TensorRecord] = []
+    for i, group in enumerate(plan_shards(items, max_shard_bytes)):
+        name = layout.shard_name(rank, i, compressed=codec.name == "zstd")
+        rec, trecs = write_shard(storage, cut, name, rank, group, codec, on_bytes=on_bytes, timings=timings,
+                                 hash_threads=hash_threads)
+        files.append(rec)
+        tensors.extend(trecs)
+        if on_shard is not None:
+            on_shard()
+    return files, tensors
+
+
 # --------------------------------------------------------------------------------------------------
 # Reading
 
@@ -174,10 +210,13 @@ def _check_missing(exc: StorageError, where: dict) -> None:
 
 
 class _RawStream:
-    """The raw (safetensors) byte stream of a shard, hashing stored and raw bytes as they pass."""
+    """The raw (safetensors) byte stream of a shard, hashing the stored bytes (``hash_stored``) and,
+    of a compressed file, the raw bytes (``hash_raw``) plainly as they pass: what format v1 records.
+    Format v2 hashes the stored bytes of a zstd file only; the raw bytes go to ``_TensorHashes``."""
 
     def __init__(
-        self, storage: Storage, rel: str, record: FileRecord, where: dict, *, overlap: bool, hashed: bool = True
+        self, storage: Storage, rel: str, record: FileRecord, where: dict, *, overlap: bool, hash_stored: bool,
+        hash_raw: bool,
     ) -> None:
         self.where = where
         self.record = record
@@ -186,11 +225,11 @@ class _RawStream:
         except StorageError as exc:
             _check_missing(exc, where)
             raise
-        self.stored = hashing.HashingReader(self.file, overlap=overlap and record.codec == "none", hashed=hashed)
+        self.stored = hashing.HashingReader(self.file, overlap=overlap and record.codec == "none", hashed=hash_stored)
         if record.codec == "zstd":
             dctx = zstandard.ZstdDecompressor()
             self.reader: BinaryIO = dctx.stream_reader(self.stored, read_across_frames=False)  # type: ignore[assignment]
-            self.raw = hashing.HashingReader(self.reader, hashed=hashed)
+            self.raw = hashing.HashingReader(self.reader, hashed=hash_raw)
         else:
             self.reader = self.stored  # type: ignore[assignment]
             self.raw = self.stored
@@ -218,9 +257,9 @@ class _RawStream:
         self.readinto_exact(memoryview(buf))
         return bytes(buf)
 
-    def finish(self, verify: bool) -> None:
-        """Drains the rest of the file and checks lengths and hashes: a truncated frame or file can
-        never pass, since both the stored and the raw length must match."""
+    def finish(self) -> None:
+        """Drains the rest of the file and checks lengths: a truncated frame or file can never pass,
+        since both the stored and the raw length must match. Digests are checked by the caller."""
         try:
             rest = self.raw.read(1)
             if rest:
@@ -229,6 +268,10 @@ class _RawStream:
                 pass
         except zstandard.ZstdError as exc:
             raise CorruptCut(f"zstd stream is damaged: {exc}", **self.where) from None
+        except OSError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise StorageError.from_os_error(exc, "reading shard", **self.where) from exc
         finally:
             self.stored.close()
             self.raw.close()
@@ -239,14 +282,18 @@ class _RawStream:
             raise cls(f"expected {rec.nbytes} bytes, found {self.stored.count}", **self.where)
         if self.raw.count != rec.raw_nbytes:
             raise TruncatedFile(f"decoded {self.raw.count} raw bytes, expected {rec.raw_nbytes}", **self.where)
-        if verify:
-            got = self.stored.hexdigest()
-            if got != rec.blake3:
-                raise CorruptCut(f"blake3 mismatch: expected {rec.blake3}, found {got}", **self.where)
-            if rec.codec != "none":
-                got_raw = self.raw.hexdigest()
-                if got_raw != rec.raw_blake3:
-                    raise CorruptCut(f"raw blake3 mismatch: expected {rec.raw_blake3}, found {got_raw}", **self.where)
+
+    def check_stored(self) -> None:
+        """The plain blake3 of the stored bytes against ``blake3`` (v1; v2 for zstd files)."""
+        got = self.stored.hexdigest()
+        if got != self.record.blake3:
+            raise CorruptCut(f"blake3 mismatch: expected {self.record.blake3}, found {got}", **self.where)
+
+    def check_raw_plain(self) -> None:
+        """v1, compressed files: the plain blake3 of the decoded bytes against ``raw_blake3``."""
+        got_raw = self.raw.hexdigest()
+        if got_raw != self.record.raw_blake3:
+            raise CorruptCut(f"raw blake3 mismatch: expected {self.record.raw_blake3}, found {got_raw}", **self.where)
 
     def close(self) -> None:
         for closer in (self.stored.close, self.raw.close, self.file.close):
@@ -254,6 +301,76 @@ class _RawStream:
                 closer()
             except Exception:  # noqa: BLE001 - closing after an error must not mask it
                 pass
+
+
+class _TensorHashes:
+    """Format v2 reads: each array's blake3, hashed once as its bytes are read. With ``overlap`` (the
+    caller never reuses a buffer), arrays of ``hashing.SMALL`` bytes or more are hashed on a helper
+    thread while the next piece is read; smaller ones inline (a hand-off per 4 KB array would cost more
+    than it saves)."""
+
+    def __init__(self, overlap: bool) -> None:
+        self._overlap = overlap
+        self._pool: ThreadPoolExecutor | None = None
+        self._updates: list[Future[None]] = []
+        self._done: list[tuple[TensorRecord, bytes | Future[bytes]]] = []
+        self._hasher: Any = None  # the current array's
+        self._pooled = False
+
+    def begin(self, t: TensorRecord) -> None:
+        self._hasher = hashing.new_hasher(threads=hashing.AUTO if t.nbytes >= hashing.SMALL else 1)
+        self._pooled = self._overlap and t.nbytes >= hashing.SMALL
+        if self._pooled and self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-hash")
+
+    def update(self, piece: memoryview) -> None:
+        if self._pooled:
+            assert self._pool is not None
+            self._updates.append(self._pool.submit(self._hasher.update, piece))
+        else:
+            self._hasher.update(piece)
+
+    def end(self, t: TensorRecord) -> None:
+        if self._pooled:
+            assert self._pool is not None
+            self._done.append((t, self._pool.submit(self._hasher.digest)))
+        else:
+            self._done.append((t, self._hasher.digest()))
+
+    def digests(self) -> list[tuple[TensorRecord, bytes]]:
+        """Every array's raw digest, in the order they were read; waits for the helper thread."""
+        self.close()
+        for f in self._updates:
+            f.result()
+        return [(t, d if isinstance(d, bytes) else d.result()) for t, d in self._done]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.shutdown(wait=True)
+
+
+def file_order_key(t: TensorRecord) -> tuple[int, int]:
+    """The order of a shard's arrays in its data section, from the manifest: ascending offset; a
+    zero-size array comes before the array that starts where it sits (all of a file's zero-size arrays
+    at one offset have identical v2 digest entries, so their order among themselves does not matter)."""
+    return (t.offset, t.nbytes)
+
+
+def check_tensor_digests(digests: Iterable[tuple[TensorRecord, bytes]], where: dict) -> None:
+    """Each array's blake3 against its manifest record; the error names the first array that differs."""
+    for t, d in digests:
+        got = d.hex()
+        if got != t.blake3:
+            raise CorruptCut(f"tensor {t.name!r}: blake3 mismatch, expected {t.blake3}, found {got}", **where)
+
+
+def check_file_digest_v2(record: FileRecord, got: str, where: dict) -> None:
+    """A v2 file digest against the record: ``raw_blake3``, and ``blake3`` too when stored bytes are
+    raw bytes (codec "none")."""
+    for expected in (record.raw_blake3, record.blake3) if record.codec == "none" else (record.raw_blake3,):
+        if got != expected:
+            raise CorruptCut(f"blake3 mismatch: expected {expected}, found {got}", **where)
 
 
 def check_header_matches(header: ShardHeader, tensors: Iterable[TensorRecord], where: dict) -> None:
@@ -282,37 +399,111 @@ def read_shard_into(
     tensors: Sequence[TensorRecord],
     dest: Callable[[TensorRecord], memoryview],
     *,
+    format_version: int,
     verify: bool = True,
     on_bytes: Callable[[int], None] | None = None,
     reuses_buffers: bool = False,
 ) -> None:
     """Streams a whole shard, reading each array's bytes straight into ``dest(record)``; checks the
-    header against the manifest, the file's lengths and (with ``verify``) its blake3, hashed while
-    reading (one pass over the bytes). Hashing overlaps the next read on a helper thread unless
-    ``reuses_buffers`` says ``dest`` hands out the same memory twice (then a chunk could change before
-    it is hashed)."""
+    header against the manifest, the file's lengths and (with ``verify``) its digests as the
+    manifest's ``format_version`` defines them, hashed while reading (each byte once: v2 hashes each
+    array and builds the file digest from them; v1 hashes the file plainly). Hashing overlaps the next
+    read on a helper thread unless ``reuses_buffers`` says ``dest`` hands out the same memory twice
+    (then a chunk could change before it is hashed)."""
     rel = layout.cut_file(cut, record.name)
     where = {"store": storage.url, "cut": cut, "path": rel}
+    v2 = format_version >= 2
+    overlap = verify and not reuses_buffers
     # verify=False checks lengths and the header but no digest, so nothing is hashed at all.
-    stream = _RawStream(storage, rel, record, where, overlap=verify and not reuses_buffers, hashed=verify)
+    stream = _RawStream(
+        storage, rel, record, where, overlap=overlap and not v2,
+        hash_stored=verify and (not v2 or record.codec != "none"), hash_raw=verify and not v2,
+    )
+    hashes = _TensorHashes(overlap) if verify and v2 else None
     try:
         prefix = stream.read_exact(8)
         n = int.from_bytes(prefix, "little")
         head_bytes = prefix + (stream.read_exact(n) if n <= min(record.raw_nbytes - 8, 64 << 20) else b"")
         header = decode_header(lambda s, e: head_bytes[s:e], record.raw_nbytes, where=where)
-        ordered = sorted(tensors, key=lambda t: t.offset)
+        ordered = sorted(tensors, key=file_order_key)
         check_header_matches(header, ordered, where)
         for t in ordered:
             view = dest(t)
+            if hashes is not None:
+                hashes.begin(t)
             for start in range(0, t.nbytes, PIECE):
                 piece = view[start : start + PIECE]
                 stream.readinto_exact(piece)
+                if hashes is not None:
+                    hashes.update(piece)
                 if on_bytes is not None:
                     on_bytes(len(piece))
-        stream.finish(verify)
+            if hashes is not None:
+                hashes.end(t)
+        stream.finish()
+        if hashes is not None:
+            digests = hashes.digests()
+            check_tensor_digests(digests, where)
+            got = hashing.file_digest_v2(head_bytes, [(t.nbytes, d) for t, d in digests])
+            check_file_digest_v2(record, got, where)
+            if record.codec != "none":
+                stream.check_stored()
+        elif verify:
+            stream.check_stored()
+            if record.codec != "none":
+                stream.check_raw_plain()
     except BaseException:
         stream.close()
+        if hashes is not None:
+            hashes.close()
         raise
+
+
+def local_digests_v2(
+    path: str, record: FileRecord, tensors: Sequence[TensorRecord], where: dict
+) -> tuple[list[tuple[TensorRecord, bytes]], str]:
+    """Format v2 digests of an uncompressed shard on a local disk, laid out as the manifest records it
+    (``verify``'s fast path): each array's blake3 over its byte range of the memory-mapped file (big
+    ones on every core), and the file digest of the bytes before the data section plus those. The
+    header is not decoded first, so damage anywhere shows as a digest mismatch; the caller checks the
+    header's structure afterwards. Raises CorruptCut when the records do not tile a data section that
+    ends at ``raw_nbytes``, TruncatedFile when the file is not ``raw_nbytes`` long."""
+    ordered = sorted(tensors, key=file_order_key)
+    end = 0
+    for t in ordered:
+        if t.offset != end:
+            raise CorruptCut(f"tensor {t.name!r}: manifest offset {t.offset} leaves a gap or overlap at {end}", **where)
+        end += t.nbytes
+    data_start = record.raw_nbytes - end
+    if data_start < 8:
+        raise CorruptCut(f"manifest records {end} data bytes in a {record.raw_nbytes}-byte shard", **where)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != record.raw_nbytes:
+                cls = TruncatedFile if size < record.raw_nbytes else CorruptCut
+                raise cls(f"expected {record.raw_nbytes} bytes, found {size}", **where)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                digests = _hash_ranges(mm, data_start, ordered)
+                header = mm[:data_start]
+    except FileNotFoundError as exc:
+        raise MissingFile("a file the manifest lists is missing", **where) from exc
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, "hashing shard", **where) from exc
+    return digests, hashing.file_digest_v2(header, [(t.nbytes, d) for t, d in digests])
+
+
+def _hash_ranges(mm: mmap.mmap, data_start: int, ordered: Sequence[TensorRecord]) -> list[tuple[TensorRecord, bytes]]:
+    # The views must be gone before the mmap closes (it refuses to close while exported).
+    with memoryview(mm) as view:
+        out = []
+        for t in ordered:
+            h = hashing.new_hasher(threads=hashing.AUTO if t.nbytes >= hashing.SMALL else 1)
+            start = data_start + t.offset
+            with view[start : start + t.nbytes] as part:
+                h.update(part)
+            out.append((t, h.digest()))
+    return out
 
 
 def read_tensor_range(

@@ -7,15 +7,17 @@ or "notice" (leftovers of an interrupted save or prune, foreign files: ``gc`` ma
 
 from __future__ import annotations
 
+import errno
+
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from . import hashing, layout
-from .errors import CkptStoreError, CorruptCut, DataError, TruncatedFile
-from .fs import Storage
+from .errors import CkptStoreError, StorageError, CorruptCut, DataError, MissingFile, TruncatedFile
+from .storage import Storage
 from .manifest import FileRecord, Manifest
 from .recovery import Classification
-from .shards import check_header_matches, read_header, read_shard_into
+from .shards import check_file_digest_v2, check_header_matches, local_digests_v2, read_header, read_shard_into
 from .tree import has_pickle, leaf_names
 
 Progress = Callable[[int], None]
@@ -60,8 +62,9 @@ class VerifyReport:
 
 
 def verify_file(storage: Storage, m: Manifest, rec: FileRecord, progress: Progress | None = None) -> list[Finding]:
-    """Checks one file of a cut: presence, size, blake3 (stored and raw), and its header against the
-    manifest. Returns findings instead of raising."""
+    """Checks one file of a cut: presence, size, its digests as the manifest's ``format_version``
+    defines them (v2: every array's blake3, then the file digest; v1: the plain blake3 of the stored
+    and raw bytes), and its header against the manifest. Returns findings instead of raising."""
     rel = layout.cut_file(m.cut, rec.name)
     tensors = [t for t in m.tensors if t.file == rec.name]
     try:
@@ -72,7 +75,27 @@ def verify_file(storage: Storage, m: Manifest, rec: FileRecord, progress: Progre
             return [Finding("error", "size-mismatch", f"{rel}: expected {rec.nbytes} bytes, found {size}",
                             m.cut, rel, str(rec.nbytes), str(size))]
         local = storage.local_path(rel)
-        if rec.codec == "none" and local is not None:
+        where = {"store": storage.url, "cut": m.cut, "path": rel}
+        if rec.codec == "none" and local is not None and m.format_version >= 2:
+            # Each byte hashed once: every array's range of the mapped file, then the file digest of
+            # the bytes before the data section and the array digests. Hashes before structure, so
+            # damage anywhere (header included) is a hash-mismatch with both digests named.
+            digests, got = local_digests_v2(local, rec, tensors, where)
+            if progress is not None:
+                progress(size)
+            for t, d in digests:
+                if d.hex() != t.blake3:
+                    return [Finding("error", "hash-mismatch", f"{rel}: tensor {t.name!r}: blake3 mismatch",
+                                    m.cut, rel, t.blake3, d.hex())]
+            try:
+                check_file_digest_v2(rec, got, where)
+            except CorruptCut:
+                expected = rec.raw_blake3 if got != rec.raw_blake3 else rec.blake3
+                return [Finding("error", "hash-mismatch", f"{rel}: blake3 mismatch (file digest: header bytes)",
+                                m.cut, rel, expected, got)]
+            header = read_header(storage, m.cut, rec)
+            check_header_matches(header, tensors, where)
+        elif rec.codec == "none" and local is not None:
             got = hashing.digest_file(local)
             if progress is not None:
                 progress(size)
@@ -83,12 +106,20 @@ def verify_file(storage: Storage, m: Manifest, rec: FileRecord, progress: Progre
         else:
             scratch = bytearray(max((t.nbytes for t in tensors), default=0))
             read_shard_into(storage, m.cut, rec, tensors, lambda t: memoryview(scratch)[: t.nbytes],
-                            verify=True, on_bytes=progress, reuses_buffers=True)
+                            format_version=m.format_version, verify=True, on_bytes=progress, reuses_buffers=True)
     except TruncatedFile as exc:
         return [Finding("error", "truncated", exc.message, m.cut, rel)]
+    except MissingFile:  # deleted between the exists() above and reading it
+        return [Finding("error", "missing-file", f"{rel} is missing", m.cut, rel)]
     except CorruptCut as exc:
         kind = "hash-mismatch" if "blake3" in exc.message else "corrupt-file"
         return [Finding("error", kind, exc.message, m.cut, rel)]
+    except StorageError as exc:
+        if exc.errno == errno.ENOENT:
+            return [Finding("error", "missing-file", f"{rel} is missing", m.cut, rel)]
+        # Could not read: proves nothing about the bytes. Fallback and repair raise on it instead of
+        # skipping or quarantining the cut (ckptstore.selection).
+        return [Finding("error", "io-error", exc.message, m.cut, rel)]
     except CkptStoreError as exc:
         return [Finding("error", "unreadable", exc.message, m.cut, rel)]
     return []
