@@ -6,8 +6,7 @@ torch nor the writer (``ckptstore.writer``), so audits run on machines without t
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from .version import __version__  # noqa: E402
 from .errors import (  # noqa: E402
     CkptStoreError,
     CorruptCut,

@@ -227,12 +227,12 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 
 def cmd_resume_info(args: argparse.Namespace) -> int:
-    from .resume import choose_cut
+    from .selection import choose_cut
 
     with Store.open(args.url, readonly=True) as store:
         cls = store.classify()
         try:
-            info, skipped, cls = choose_cut(store, fallback=True, record=False)
+            info, skipped = choose_cut(store.storage, cls, fallback=True)
         except CutNotFound as exc:
             info, skipped = None, {"*": exc.message}
         latest = cls.latest.cut if cls.latest is not None else None

@@ -176,10 +176,15 @@ class StorageError(CkptStoreError, OSError):
 
     @classmethod
     def from_os_error(cls, exc: OSError, action: str, **fields: Any) -> "StorageError":
-        """Wraps an OSError raised while doing ``action``, keeping its errno and naming the place."""
+        """Wraps an OSError raised while doing ``action``, keeping its errno and naming the place. A
+        FileNotFoundError without an errno (s3fs raises them so) gets ENOENT, so "absent" is always
+        told apart from "could not read"."""
+        code = exc.errno
+        if code is None and isinstance(exc, FileNotFoundError):
+            code = _errno.ENOENT
         hint = None
         if exc.errno in (_errno.ENOSPC, _errno.EDQUOT):
             hint = "the file system is full: free space, then take the next cut; committed cuts are untouched"
         elif exc.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS):
             hint = "the store is not writable by this process"
-        return cls(f"{action} failed: {exc.strerror or exc}", errno=exc.errno, hint=hint, **fields)
+        return cls(f"{action} failed: {exc.strerror or exc}", errno=code, hint=hint, **fields)

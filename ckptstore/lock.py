@@ -35,7 +35,7 @@ import filelock
 
 from . import layout
 from .errors import StorageError, StoreLocked
-from .fs import ConditionFailed, Storage
+from .storage import ConditionFailed, Storage
 from .protocol import now_iso
 
 DEFAULT_LEASE_TTL_S = 30.0
@@ -62,11 +62,13 @@ class WriterLock:
     def excludes(self) -> bool:
         """Whether holding this lock proves no other writer is active (so marked cuts not in flight
         here belong to dead writers)."""
-        return self.storage.is_local or self.storage.conditional_writes
+        caps = self.storage.capabilities
+        return caps.local_paths or caps.conditional_writes
 
     def acquire(self) -> None:
-        if not self.storage.is_local:
-            if self.storage.conditional_writes:
+        caps = self.storage.capabilities
+        if not caps.local_paths:
+            if caps.conditional_writes:
                 lease = Lease(self.storage, self.lease_ttl_s)
                 lease.acquire()
                 self._lease = lease
@@ -87,9 +89,17 @@ class WriterLock:
                 path=layout.LOCK_FILE,
                 hint="stop that writer, or open the store read-only (Store.open(url, readonly=True))",
             ) from None
+        except OSError as exc:
+            raise StorageError.from_os_error(exc, "taking the writer lock", store=self.storage.url,
+                                             path=layout.LOCK_FILE) from exc
         self._lock = lock
         info = {"host": socket.gethostname(), "pid": os.getpid(), "since": now_iso()}
-        self.storage.write_durably(layout.WRITER_FILE, json.dumps(info).encode())
+        try:
+            self.storage.write_durably(layout.WRITER_FILE, json.dumps(info).encode())
+        except BaseException:
+            # A failed open must not keep the store locked (the caller may hold on to the error).
+            self.release()
+            raise
 
     def ensure_held(self) -> None:
         """Raises ``StoreLocked`` when this writer's lease was lost to another writer."""

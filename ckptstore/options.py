@@ -37,5 +37,5 @@ class StoreOptions:
             raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}")
         if not -7 <= self.zstd_level <= 22:
             raise ValueError("zstd_level must be in [-7, 22]")
-        if self.max_shard_bytes < 1 << 20:
-            raise ValueError("max_shard_bytes must be at least 1 MiB")
+        if self.max_shard_bytes < 64 << 10:
+            raise ValueError("max_shard_bytes must be at least 64 KiB")

@@ -1,4 +1,6 @@
-"""The commit protocol as one object: how a cut is begun, committed, uncommitted and abandoned.
+"""The commit protocol as one object: the only code that writes or deletes marks, manifests, LATEST
+and cut directories. :class:`~ckptstore.pending.PendingCut` drives a cut through it; prune, gc, repair
+and recovery call its removal and pointing verbs.
 
 Save, in this order (each step durable before the next starts)::
 
@@ -7,12 +9,21 @@ Save, in this order (each step durable before the next starts)::
     3. dir sync   fsync cuts/<cut>/ so the shard names last  (phase "shards-synced")
     4. manifest   cuts/<cut>/MANIFEST.json durably           (phase "manifest-written")
     5. LATEST     atomic durable replace: THE COMMIT POINT   (phase "latest-written")
-    6. unmark     marks/<cut>.json removed, marks/ fsynced   (phase "mark-removed")
+                  first: the cut LATEST names now loses its stale mark, durably, if it still has one
+    6. unmark     marks/<cut>.json removed, marks/ fsynced   (phase "mark-removed"); best effort
 
 Invariant: a cut is committed iff it has a valid manifest and either no mark or LATEST names it.
+
+Rule M (what makes the invariant safe against a single fault after the commit point): **LATEST never
+moves away from a cut that still has a mark.** Step 5 removes the mark of the cut LATEST names *before*
+it replaces LATEST; if that removal fails, the new cut is not committed (the old one stays committed
+and named). So a failed step 6 leaves a committed cut whose stale mark is cleared by the next commit
+or by recovery, and nothing can ever demote it. Without Rule M, one failed unlink in step 6 followed by
+the next commit left a committed cut with a mark that LATEST no longer names: "in progress" by the
+invariant, deleted by the next writer open (the bug behind issue 9).
+
 A crash before 5 leaves the previous LATEST and a marked cut that ``gc`` removes; a crash between 5 and
-6 leaves a committed cut with a stale mark that recovery removes (failure-modes row 10: the mark never
-makes a verified cut look incomplete once LATEST names it).
+6 leaves a committed cut with a stale mark that recovery removes (failure-modes row 10).
 
 Prune (uncommit first, then delete)::
 
@@ -22,23 +33,29 @@ Prune (uncommit first, then delete)::
 
 so a crash mid-prune leaves a directory without manifest or mark: "abandoned", which ``gc`` removes.
 
-The object-store variant is the same sequence: every step is a single PUT or DELETE of one object, and
-nothing is ever renamed. ``on_phase`` is the fault-injection seam: tests kill the process in it.
+On object stores every step is one PUT or DELETE of one object and nothing is renamed; LATEST moves by
+compare-and-swap (``If-Match`` on the version this writer last saw or wrote), so a writer that lost its
+lease while stalled before its PUT cannot move LATEST under the holder that replaced it.
+
+``on_phase`` is the fault-injection seam: tests kill the process in it.
 """
 
 from __future__ import annotations
 
+import errno
 from datetime import datetime, timezone
 from typing import Callable
 
 from . import hashing, layout
-from .errors import StorageError
-from .fs import Storage, host_identity
+from .errors import CkptStoreError, DataError, StorageError, StoreLocked
+from .ident import host_identity
 from .latest import Pointer
 from .manifest import Manifest
-from .marks import Mark
+from .marks import BadCut, Mark
+from .storage import ConditionFailed, Storage
 
 PhaseHook = Callable[[str, str], None]
+Guard = Callable[[], None]
 
 SAVE_PHASES = ("mark-written", "shard-written", "shards-synced", "manifest-written", "latest-written", "mark-removed")
 PRUNE_PHASES = ("prune-uncommitted", "prune-files-deleted", "prune-removed")
@@ -48,89 +65,203 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-class CommitProtocol:
-    """Performs each protocol step on a storage; knows nothing about tensors."""
+class CommitUnknown(StorageError):
+    """Replacing LATEST failed in a way that may or may not have landed; the cut keeps its mark, and
+    the next open decides (committed if LATEST names it, removed otherwise)."""
 
-    def __init__(self, storage: Storage, on_phase: PhaseHook | None = None) -> None:
-        self.storage = storage
+
+class CommitProtocol:
+    """Performs each protocol step on a storage; knows nothing about tensors.
+
+    ``guard`` raises when this handle may no longer change the store (the object-store writer lease
+    was lost); it runs before every step that moves LATEST or deletes committed data.
+    """
+
+    def __init__(self, storage: Storage, on_phase: PhaseHook | None = None, guard: Guard | None = None) -> None:
+        self._storage = storage
         self._on_phase = on_phase
+        self._guard = guard or (lambda: None)
+        self._latest_tag: str | None = None  # object stores: the LATEST version this writer last saw or wrote
+
+    @property
+    def url(self) -> str:
+        return self._storage.url
 
     def phase(self, name: str, cut: str) -> None:
         if self._on_phase is not None:
             self._on_phase(name, cut)
 
     # save -----------------------------------------------------------------------------------------
-    def begin(self, cut: str, step: int, writer: str) -> Mark:
+    def mark(self, cut: str, step: int, writer: str) -> None:
+        """Step 1: the durable in-progress mark, then the cut directory."""
         ident = host_identity()
-        mark = Mark(cut=cut, step=step, host=str(ident["host"]), pid=int(ident["pid"]),  # type: ignore[call-overload]
-                    started_at=now_iso(), writer=writer)
-        self.storage.write_durably(layout.mark_path(cut), mark.to_bytes())
-        self.storage.make_dir(layout.cut_dir(cut))
+        mark = Mark(cut=cut, step=step, host=ident.host, pid=ident.pid, started_at=now_iso(), writer=writer)
+        self._storage.write_durably(layout.mark_path(cut), mark.to_bytes())
+        self._storage.make_dir(layout.cut_dir(cut))
         self.phase("mark-written", cut)
-        return mark
 
-    def shards_done(self, cut: str) -> None:
-        self.storage.sync_dir(layout.cut_dir(cut))
+    def files_durable(self, cut: str) -> None:
+        """Step 3: the names of the cut's files are durable before a manifest names them."""
+        self._storage.sync_dir(layout.cut_dir(cut))
         self.phase("shards-synced", cut)
 
     def write_manifest(self, manifest: Manifest) -> str:
-        """Publishes the manifest; returns the blake3 of its bytes for LATEST."""
+        """Step 4: publishes the manifest; returns the blake3 of its bytes for LATEST."""
+        self._guard()
         data = manifest.to_bytes()
-        self.storage.write_durably(layout.manifest_path(manifest.cut), data)
+        self._storage.write_durably(layout.manifest_path(manifest.cut), data)
         self.phase("manifest-written", manifest.cut)
         return hashing.digest(data)
 
-    def commit(self, manifest: Manifest, manifest_blake3: str) -> Pointer:
-        pointer = Pointer(cut=manifest.cut, step=manifest.step, manifest_blake3=manifest_blake3)
+    def point_latest(self, cut: str, step: int, manifest_blake3: str) -> Pointer:
+        """Step 5, and repair's move: LATEST names ``cut`` durably. Rule M first: the cut LATEST names
+        now loses its mark before LATEST leaves it. Raises ``CommitUnknown`` when the replace failed
+        after it may have landed (then the caller must not remove the cut)."""
+        self._guard()
+        previous = self._read_pointer()
+        if previous is not None and previous.cut != cut and self._storage.exists(layout.mark_path(previous.cut)):
+            self._storage.delete(layout.mark_path(previous.cut), durable=True)
+        pointer = Pointer(cut=cut, step=step, manifest_blake3=manifest_blake3)
+        self._guard()  # an object-store writer that lost its lease never commits
         try:
-            self.storage.write_durably(layout.LATEST_FILE, pointer.to_bytes())
-        except StorageError as exc:
-            exc.cut = exc.cut or manifest.cut
+            self._replace_latest(pointer.to_bytes())
+        except StoreLocked:
             raise
-        self.phase("latest-written", manifest.cut)
+        except StorageError as exc:
+            exc.cut = exc.cut or cut
+            if self._landed(cut) is False:
+                raise
+            # The rename may have landed (only the directory fsync failed, or a PUT timed out after
+            # the server applied it): LATEST may name a whole cut. Never remove it from here.
+            raise CommitUnknown(f"replacing LATEST failed and may have landed: {exc.message}", errno=exc.errno,
+                                store=self.url, cut=cut, path=layout.LATEST_FILE,
+                                hint="the cut keeps its mark; the next open keeps it if LATEST names it") from exc
+        self.phase("latest-written", cut)
         return pointer
 
-    def latest_names(self, cut: str) -> bool:
-        """Whether LATEST currently names ``cut`` (after a failed commit: did the rename land?)."""
+    def _read_pointer(self) -> Pointer | None:
+        """LATEST as it is now (None when absent or unparseable: then there is no cut to unmark)."""
         try:
-            return Pointer.from_bytes(self.storage.read_bytes(layout.LATEST_FILE)).cut == cut
-        except Exception:  # noqa: BLE001 - unreadable counts as "not ours"
-            return False
+            data = self._storage.read_bytes(layout.LATEST_FILE)
+        except StorageError as exc:
+            if exc.errno == errno.ENOENT:
+                return None
+            raise
+        except FileNotFoundError:  # a backend that does not wrap its errors
+            return None
+        try:
+            return Pointer.from_bytes(data, store=self.url, path=layout.LATEST_FILE)
+        except DataError:
+            return None
 
-    def end(self, cut: str) -> None:
-        self.storage.delete(layout.mark_path(cut), durable=True)
+    def _replace_latest(self, data: bytes) -> None:
+        if not self._storage.capabilities.conditional_writes:
+            self._storage.write_durably(layout.LATEST_FILE, data)
+            return
+        if self._latest_tag is None:
+            self._latest_tag = self._current_tag()
+        try:
+            if self._latest_tag == "":
+                self._latest_tag = self._storage.put_if_absent(layout.LATEST_FILE, data)
+            else:
+                self._latest_tag = self._storage.put_if_match(layout.LATEST_FILE, data, self._latest_tag)
+        except (ConditionFailed, FileExistsError):
+            self._latest_tag = self._current_tag()
+            raise StoreLocked("LATEST was moved by another writer since this writer last saw it (a former "
+                              "lease holder that stalled); this cut was not committed", store=self.url,
+                              path=layout.LATEST_FILE, hint="take the next cut; it commits against the new LATEST") from None
+
+    def _current_tag(self) -> str:
+        """The version tag of LATEST now, "" when it does not exist."""
+        try:
+            return self._storage.version(layout.LATEST_FILE)[0]
+        except StorageError as exc:
+            if exc.errno == errno.ENOENT or isinstance(exc.__cause__, FileNotFoundError):
+                return ""
+            raise
+
+    def _landed(self, cut: str) -> bool | None:
+        """After a failed replace: does LATEST name ``cut``? None when it cannot be read."""
+        try:
+            pointer = self._read_pointer()
+        except CkptStoreError:
+            return None
+        return pointer is not None and pointer.cut == cut
+
+    def withdraw_manifest(self, cut: str) -> None:
+        """Takes back the manifest of a cut that lost its commit to another writer (a stalled former
+        lease holder's): without it, a cut whose files the new holder removed would look committed.
+        Never raises."""
+        try:
+            self._storage.delete(layout.manifest_path(cut), durable=True)
+        except CkptStoreError:
+            pass
+
+    def unmark(self, cut: str) -> None:
+        """Step 6 (and recovery of a stale mark): the mark of a cut LATEST names goes, durably."""
+        self._storage.delete(layout.mark_path(cut), durable=True)
         self.phase("mark-removed", cut)
 
     def abandon(self, cut: str) -> None:
-        """Removes an uncommitted cut's files and then its mark; never raises (best effort after an
-        error: whatever stays is still marked, so ``gc`` finds it)."""
+        """Removes an uncommitted cut of this writer's: files, directory, then the mark (last, so a
+        crash or fault midway leaves a marked leftover that ``gc`` finishes). Never raises."""
         try:
-            self.remove_cut_files(cut)
-            self.storage.delete(layout.mark_path(cut), durable=True)
-        except StorageError:
+            self.remove_leftover(cut)
+        except CkptStoreError:
             pass
 
-    # prune / gc -----------------------------------------------------------------------------------
-    def uncommit(self, cut: str) -> None:
-        """Deletes a committed cut: manifest first (durably), then files, then the directory."""
-        self.storage.delete(layout.manifest_path(cut), durable=True)
+    # prune / gc / repair ---------------------------------------------------------------------------
+    def uncommit(self, cut: str) -> list[str]:
+        """Deletes a committed cut that is not LATEST's target: manifest first (durably), then files,
+        then the directory. Returns foreign names left in place."""
+        self._guard()
+        self._storage.delete(layout.manifest_path(cut), durable=True)
         self.phase("prune-uncommitted", cut)
-        self.remove_cut_files(cut, manifest_first=False)
+        return self._remove_files(cut)
 
-    def remove_cut_files(self, cut: str, *, manifest_first: bool = True) -> list[str]:
-        """Deletes what the store wrote in a cut directory; returns foreign names it left there (then the
-        directory stays, so nothing that is not ours is ever deleted)."""
+    def remove_leftover(self, cut: str) -> list[str]:
+        """Removes an uncommitted cut (in progress of a dead writer, abandoned): manifest first, files,
+        directory, mark. Returns foreign names left in place (then the directory stays)."""
+        self._guard()
+        self._storage.delete(layout.manifest_path(cut), durable=True)
+        foreign = self._remove_files(cut)
+        self._storage.delete(layout.mark_path(cut), durable=True)
+        return foreign
+
+    def discard_files(self, cut: str) -> None:
+        """Removes the partial files of a cut still in flight (a dead writer process's), keeping its
+        mark and an empty directory, so the same cut can be written again."""
+        self._remove_files(cut)
+        self._storage.make_dir(layout.cut_dir(cut))
+
+    def _remove_files(self, cut: str) -> list[str]:
         d = layout.cut_dir(cut)
-        if manifest_first:
-            self.storage.delete(layout.manifest_path(cut), durable=True)
         foreign = []
-        for entry in self.storage.list_dir(d):
+        for entry in self._storage.list_dir(d):
             if entry.is_dir or not (layout.is_shard_name(entry.name) or layout.is_tmp_name(entry.name)):
                 foreign.append(f"{d}/{entry.name}")
                 continue
-            self.storage.delete(f"{d}/{entry.name}", durable=False)
+            self._storage.delete(f"{d}/{entry.name}", durable=False)
         self.phase("prune-files-deleted", cut)
         if not foreign:
-            self.storage.remove_dir(d)
+            self._storage.remove_dir(d)
         self.phase("prune-removed", cut)
         return foreign
+
+    def remove_temp(self, rel: str) -> None:
+        """A temp file a crashed durable write left."""
+        self._guard()
+        self._storage.delete(rel, durable=True)
+
+    def remove_latest(self) -> None:
+        """An empty store's LATEST (repair when no cut is committed)."""
+        self._guard()
+        self._storage.delete(layout.LATEST_FILE, durable=True)
+
+    def record_bad(self, bad: BadCut) -> None:
+        """``bad/<cut>.json``: a committed cut proven damaged, skipped by later fallbacks."""
+        self._storage.write_durably(layout.bad_path(bad.cut), bad.to_bytes())
+
+    def lift_bad(self, cut: str) -> None:
+        """Removes a bad record (the cut verified again)."""
+        self._storage.delete(layout.bad_path(cut), durable=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from . import hashing, layout
 from .errors import CkptStoreError, DataError
-from .fs import Storage
+from .storage import Storage
 from .latest import Pointer
 from .manifest import Manifest
 from .marks import BadCut, Mark
@@ -70,9 +70,17 @@ class Classification:
         return None
 
 
-def scan(storage: Storage) -> DiskState:
-    """Reads a store root into a :class:`DiskState`. Names are checked before they are used as paths."""
+#: Parsed manifests by (cut, blake3 of their bytes): a handle re-scans its store at every save and prune,
+#: and parsing a manifest of tens of thousands of tensors costs far more than reading and hashing it.
+ManifestCache = dict[tuple[str, str], Manifest]
+
+
+def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
+    """Reads a store root into a :class:`DiskState`. Names are checked before they are used as paths.
+    ``cache`` (optional) reuses manifests parsed by an earlier scan whose bytes are unchanged; it is
+    updated to hold exactly this scan's manifests."""
     st = DiskState()
+    seen: ManifestCache = {}
     where = {"store": storage.url}
     for entry in storage.list_dir(""):
         if layout.is_tmp_name(entry.name):
@@ -102,12 +110,17 @@ def scan(storage: Storage) -> DiskState:
             mpath = layout.manifest_path(entry.name)
             try:
                 data = storage.read_bytes(mpath)
-                m = Manifest.from_bytes(data, cut=entry.name, path=mpath, **where)
+                digest = hashing.digest(data)
+                key = (entry.name, digest)
+                m = cache.get(key) if cache is not None else None
+                if m is None:
+                    m = Manifest.from_bytes(data, cut=entry.name, path=mpath, **where)
                 if m.cut != entry.name:
                     raise DataError(f"manifest names cut {m.cut!r} but lives in {entry.name!r}",
                                     cut=entry.name, path=mpath, **where)
+                seen[key] = m
                 st.manifests[entry.name] = m
-                st.manifest_hashes[entry.name] = hashing.digest(data)
+                st.manifest_hashes[entry.name] = digest
             except DataError as exc:
                 st.broken_manifests[entry.name] = exc
     for sub, target in ((layout.MARKS_DIR, st.marks), (layout.BAD_DIR, st.bad)):
@@ -125,6 +138,9 @@ def scan(storage: Storage) -> DiskState:
                 target[cut] = model.from_bytes(storage.read_bytes(rel), cut=cut, path=rel, **where)  # type: ignore[attr-defined]
             except CkptStoreError:
                 target[cut] = None  # unreadable: still ours by name, so it is handled, not ignored
+    if cache is not None:
+        cache.clear()
+        cache.update(seen)
     return st
 
 

@@ -14,12 +14,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CutNotFound, DataError, LatestError, StorageError
-from .events import log
+from .errors import CutNotFound
 from .info import CutInfo
-from .recovery import Classification
 from .store import Store
-from .verify import verify_store
 
 
 def capture_rng() -> dict[str, Any]:
@@ -76,52 +73,6 @@ class Resumed:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def choose_cut(store: Store, *, fallback: bool, record: bool) -> tuple[CutInfo | None, dict[str, str], Classification]:
-    """The newest committed cut to resume from. Without ``fallback`` it is LATEST's target, verified
-    (a failure raises). With it, cuts recorded bad are skipped outright and cuts that fail verification
-    are skipped (and, with ``record``, recorded bad)."""
-    cls = store.classify()
-    if cls.latest_problem is not None and not fallback:
-        raise LatestError(cls.latest_problem, store=store.url, hint=f"run `ckptstore repair {store.url}`")
-    if not cls.committed:
-        return None, {}, cls
-    skipped: dict[str, str] = {}
-    if not fallback:
-        m = cls.find(cls.latest.cut) if cls.latest else None
-        if m is None:
-            return None, {}, cls
-        report = verify_store(store.storage, cls, cut=m.cut)
-        if not report.ok:
-            f = report.errors[0]
-            raise DataError(f"LATEST cut fails verification: {f.message}", store=store.url, cut=m.cut, path=f.path,
-                            hint="load(..., fallback=True) resumes from the newest cut that verifies")
-        return CutInfo.from_manifest(m), skipped, cls
-    latest_step = cls.latest.step if cls.latest else None
-    for m in reversed(cls.committed):
-        if latest_step is not None and m.step > latest_step and m.cut not in cls.bad:
-            skipped[m.cut] = "newer than LATEST"
-            continue
-        if m.cut in cls.bad:
-            skipped[m.cut] = "recorded bad by an earlier load"
-            continue
-        report = verify_store(store.storage, cls, cut=m.cut)
-        errors = [f for f in report.errors if not f.kind.startswith("latest-")]
-        if errors:
-            skipped[m.cut] = f"{errors[0].kind}: {errors[0].message}"
-            if record:
-                # Readers record too (``load(url, fallback=True)`` opens one): ``bad/`` is add-only, and
-                # without the record every restart re-verifies the bad cut.
-                try:
-                    store.record_bad(m.cut, skipped[m.cut])
-                except StorageError as exc:
-                    if not store.readonly:
-                        raise
-                    log.warning("ckptstore: could not record bad cut %s of %s: %s", m.cut, store.url, exc)
-            continue
-        return CutInfo.from_manifest(m), skipped, cls
-    raise CutNotFound("no committed cut verifies", store=store.url, hint=f"skipped: {skipped}")
-
-
 def restore(
     url_or_store: str | Store,
     *,
@@ -141,11 +92,12 @@ def restore(
     own = isinstance(url_or_store, str)
     store = Store.open(url_or_store, create=True) if own else url_or_store  # type: ignore[arg-type]
     try:
-        info, skipped, cls = choose_cut(store, fallback=fallback, record=True)
+        latest = store.classify().latest
+        info, skipped = store.choose(fallback=fallback)
         if info is None:
             return None
         state = store.load(info.id, map_location=map_location)
-        if fallback and not store.readonly and (cls.latest is None or cls.latest.cut != info.id):
+        if fallback and not store.readonly and (latest is None or latest.cut != info.id):
             store.point_latest(info.id)
         for key, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
             if obj is not None:

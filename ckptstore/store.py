@@ -2,22 +2,26 @@
 
 ``Store.open(url)`` opens a store as its single writer (taking the writer lock and recovering what a
 crash left), ``Store.open(url, readonly=True)`` as one of any number of readers. Writers ``save``
-(synchronous: returns once the cut is committed), ``prune``, ``gc`` and ``repair``; everyone can
-``latest``, ``cuts``, ``manifest``, ``verify`` and ``load``.
+(synchronous: returns once the cut is committed), ``begin_cut`` (a :class:`~ckptstore.pending.PendingCut`
+for writers that write files elsewhere), ``prune``, ``gc`` and ``repair``; everyone can ``latest``,
+``cuts``, ``manifest``, ``verify`` and ``load``. Every change to the store goes through the commit
+protocol (:mod:`ckptstore.protocol`); this module composes, it does not touch marks or LATEST.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from . import __version__, hashing, layout
+from . import hashing, layout
 from .arrays import describe
 from .errors import (
     CorruptCut,
     CutNotFound,
+    HostileInput,
     LatestError,
     StepConflict,
     StorageError,
@@ -25,26 +29,27 @@ from .errors import (
     UsageError,
 )
 from .events import Emitter, log
-from .fs import Storage, host_identity, open_storage
 from .info import CutInfo
 from .latest import StoreIdentity
 from .loader import load_manifest
 from .lock import WriterLock
-from .manifest import FileRecord, Manifest, TensorRecord, WriterIdentity
+from .manifest import Manifest
 from .marks import BadCut
 from .options import StoreOptions
+from .pending import PendingCut
 from .protocol import CommitProtocol, now_iso
-from .recovery import Classification, Leftover, classify, scan
+from .recovery import Classification, Leftover, ManifestCache, classify, scan
 from .retention import Policy, hard_keeps
-from .shards import Codec, plan_shards, write_shard
+from .selection import CutSelector, choose_cut, latest_manifest, raise_io_errors, select_manifest
+from .shards import Codec
+from .storage import Storage, open_storage
 from .tree import flatten, has_pickle
 from .verify import Progress, VerifyReport, verify_store
-
-CutSelector = str | int
 
 
 @dataclass
 class GcReport:
+
     """What ``gc`` removed (or would remove, with ``dry_run``) and what it left alone."""
 
     removed: list[Leftover] = field(default_factory=list)
@@ -64,14 +69,15 @@ class Store:
     """A checkpoint store on one fsspec URL. Use :meth:`open`; close it (or use ``with``)."""
 
     def __init__(self, storage: Storage, options: StoreOptions, readonly: bool) -> None:
-        self.storage = storage
+        self.storage = storage  # for reading; every change goes through self._protocol
         self.url = storage.url
         self.options = options
         self.readonly = readonly
         self.events = Emitter(self.url, options.on_event)
-        self.protocol = CommitProtocol(storage, options.on_phase)
         self._lock = WriterLock(storage, options.lease_ttl_s)
-        self._in_flight: set[str] = set()
+        self._protocol = CommitProtocol(storage, options.on_phase, guard=self._lock.ensure_held)
+        self._in_flight: dict[str, PendingCut] = {}
+        self._manifests: ManifestCache = {}
         self._closed = False
 
     # ------------------------------------------------------------------------------------------ open
@@ -84,7 +90,7 @@ class Store:
         readonly: bool = False,
         options: StoreOptions | None = None,
     ) -> "Store":
-        """Opens the store at ``url`` (a path, an fsspec URL, or a :class:`~ckptstore.fs.Storage`).
+        """Opens the store at ``url`` (a path, an fsspec URL, or a :class:`~ckptstore.storage.Storage`).
 
         As a writer (default) it takes the writer lock (``StoreLocked`` if another writer has it) and
         recovers: leftovers of interrupted saves and prunes are removed, a stale mark beside a committed
@@ -121,24 +127,23 @@ class Store:
             StoreIdentity.from_bytes(storage.read_bytes(layout.STORE_FILE), store=storage.url, path=layout.STORE_FILE)
         store = cls(storage, options, readonly)
         if not readonly:
-            store._lock.acquire()
+            try:
+                store._lock.acquire()
+            except BaseException:
+                store.close()
+                raise
         return store
 
     @staticmethod
     def _create(storage: Storage) -> None:
-        if storage.is_local:
-            import os
-
-            os.makedirs(storage.local_path(""), exist_ok=True)  # type: ignore[arg-type]
+        root = storage.local_path("") if storage.capabilities.local_paths else None
+        if root is not None:
+            os.makedirs(root, exist_ok=True)
         for d in (layout.CUTS_DIR, layout.MARKS_DIR, layout.BAD_DIR):
             storage.make_dir(d)
         storage.write_durably(layout.STORE_FILE, StoreIdentity(created_at=now_iso()).to_bytes())
 
     def _recover(self) -> None:
-        cls = self.classify()
-        if cls.latest_problem is not None:
-            raise LatestError(cls.latest_problem, store=self.url, path=layout.LATEST_FILE,
-                              hint=f"run `ckptstore repair {self.url}` to point LATEST at the newest cut that verifies")
         report = self.gc()
         for lo in report.removed:
             self.events.emit("recovered", cut=lo.cut, kind=lo.kind, paths=lo.paths)
@@ -168,7 +173,7 @@ class Store:
     # ----------------------------------------------------------------------------------------- reads
     def classify(self) -> Classification:
         """What is on disk right now (see :mod:`ckptstore.recovery`)."""
-        return classify(scan(self.storage))
+        return classify(scan(self.storage, self._manifests))
 
     def cuts(self) -> list[CutInfo]:
         """Committed cuts, ascending by step."""
@@ -176,41 +181,12 @@ class Store:
 
     def latest(self) -> CutInfo | None:
         """The committed cut LATEST points at, or None for an empty store."""
-        m = self._latest_manifest(self.classify())
+        m = latest_manifest(self.classify(), self.url)
         return None if m is None else CutInfo.from_manifest(m)
-
-    def _latest_manifest(self, cls: Classification) -> Manifest | None:
-        if cls.latest_problem is not None:
-            raise LatestError(cls.latest_problem, store=self.url, path=layout.LATEST_FILE,
-                              hint=f"run `ckptstore repair {self.url}`")
-        return None if cls.latest is None else cls.find(cls.latest.cut)
 
     def manifest(self, cut: CutSelector = "latest") -> Manifest:
         """The manifest of a committed cut: "latest", a cut id, or an int step."""
-        cls = self.classify()
-        if cut == "latest":
-            m = self._latest_manifest(cls)
-            if m is None:
-                raise CutNotFound("the store has no committed cut yet", store=self.url)
-            return m
-        if isinstance(cut, bool) or not isinstance(cut, (str, int)):
-            raise UsageError(f"cut must be 'latest', a cut id or an int step, not {cut!r}", store=self.url)
-        if isinstance(cut, int):
-            matches = [m for m in cls.committed if m.step == cut]
-            broken = [exc for c, exc in sorted(cls.broken.items()) if layout.step_of_cut_id(c) == cut]
-            if not matches and broken:
-                raise broken[-1]  # damaged data is a DataError, not the caller's mistake (CutNotFound)
-            if not matches:
-                raise CutNotFound(f"no committed cut at step {cut}", store=self.url,
-                                  hint=f"committed steps: {[m.step for m in cls.committed][-10:]}")
-            return matches[-1]
-        layout.check_cut_id(cut, store=self.url)
-        m = cls.find(cut)
-        if m is None and cut in cls.broken:
-            raise cls.broken[cut]
-        if m is None:
-            raise CutNotFound("no such committed cut", store=self.url, cut=cut)
-        return m
+        return select_manifest(self.classify(), cut, self.url)
 
     def load(
         self,
@@ -224,31 +200,61 @@ class Store:
     ) -> Any:
         """The state saved in a committed cut (see :func:`ckptstore.load`)."""
         if fallback and cut == "latest":
-            from .resume import choose_cut
-
-            info, skipped, _ = choose_cut(self, fallback=True, record=True)
+            info, skipped = self.choose(fallback=True)
             if info is None:
                 raise CutNotFound("the store has no committed cut yet", store=self.url)
-            for bad_cut, why in skipped.items():
-                self.events.emit("fallback-skipped", cut=bad_cut, reason=why)
-                log.warning("ckptstore: skipped cut %s of %s: %s", bad_cut, self.url, why)
             cut = info.id
         m = self.manifest(cut)
         if m.pickled and not allow_pickle:
-            from .errors import HostileInput
-
             raise HostileInput("cut holds pickled values; pass allow_pickle=True only if you trust it",
                                store=self.url, cut=m.cut)
         return load_manifest(self.storage, m, map_location=map_location, verify=verify, keys=keys,
                              allow_pickle=allow_pickle)
 
+    def choose(self, *, fallback: bool) -> tuple[CutInfo | None, dict[str, str]]:
+        """The cut to resume from (see :func:`ckptstore.selection.choose_cut`); with ``fallback`` the
+        cuts proven damaged are recorded bad, and each skip is logged and emitted."""
+        info, skipped = choose_cut(self.storage, self.classify(), fallback=fallback, on_bad=self._record_bad_quietly)
+        for bad_cut, why in skipped.items():
+            self.events.emit("fallback-skipped", cut=bad_cut, reason=why)
+            log.warning("ckptstore: skipped cut %s of %s: %s", bad_cut, self.url, why)
+        return info, skipped
+
     def verify(self, cut: CutSelector | None = None, *, progress: Progress | None = None) -> VerifyReport:
         """Re-hashes every file of every committed cut (or one cut) and reports every finding."""
         cls = self.classify()
-        cut_id = None if cut is None else self.manifest(cut).cut
+        cut_id = None if cut is None else select_manifest(cls, cut, self.url).cut
         return verify_store(self.storage, cls, cut=cut_id, progress=progress)
 
     # ---------------------------------------------------------------------------------------- writes
+    def shard_codec(self) -> Codec:
+        """How this store's shards are encoded (the one source of shard settings)."""
+        return Codec("zstd", self.options.zstd_level) if self.options.compression == "zstd" else Codec()
+
+    def begin_cut(self, step: int, *, writer: str = "store.save", cut: str | None = None) -> PendingCut:
+        """Marks a new cut at ``step`` in flight and returns its lifecycle object (writers only).
+
+        ``step`` must be above the committed LATEST step (``StepConflict`` otherwise: re-saving an
+        old step would silently roll LATEST back). ``cut`` fixes the id (default: a fresh one)."""
+        self._require_writer("begin_cut")
+        self._check_step(step)
+        if cut is None:
+            cut = layout.new_cut_id(step)
+        elif layout.check_cut_id(cut, store=self.url) and layout.step_of_cut_id(cut) != step:
+            raise UsageError(f"cut id {cut} does not match step {step}", store=self.url, cut=cut)
+        pending = PendingCut(self._protocol, self.storage, cut, step, writer, on_end=self._ended)
+        self._in_flight[cut] = pending
+        try:
+            self._protocol.mark(cut, step, writer)
+        except BaseException:
+            self._protocol.abandon(cut)
+            self._in_flight.pop(cut, None)
+            raise
+        return pending
+
+    def _ended(self, pending: PendingCut) -> None:
+        self._in_flight.pop(pending.id, None)
+
     def save(
         self,
         state: Any,
@@ -261,120 +267,47 @@ class Store:
     ) -> CutInfo:
         """Writes ``state`` as a new cut and commits it; returns once LATEST names it durably.
 
-        ``step`` must be above the committed LATEST step (``StepConflict`` otherwise: re-saving an old
-        step would silently roll LATEST back). Values that need pickle are refused unless
-        ``allow_pickle`` is passed.
+        ``step`` must be above the committed LATEST step (``StepConflict`` otherwise). Values that
+        need pickle are refused unless ``allow_pickle`` is passed.
         """
         self._require_writer("save")
-        self._check_step(step, tags, metadata)
+        _check_cut_fields(tags, metadata, self.url)
         t0 = time.perf_counter()
         tree, leaves = flatten(state, allow_pickle=allow_pickle)
         items = [describe(leaf) for leaf in leaves]
         pickled = allow_pickle and has_pickle(tree)
-        cut = layout.new_cut_id(step)
         t_flat = time.perf_counter()
-        files, tensors = self._write_cut(cut, step, items)
-        t_write = time.perf_counter()
-        manifest = Manifest(
-            cut=cut, step=step, tags=list(tags), final=final, created_at=now_iso(),
-            writer=WriterIdentity(host=str(host_identity()["host"]), pid=int(host_identity()["pid"]),  # type: ignore[call-overload]
-                                  ckptstore_version=__version__, mode="sync"),
-            metadata=dict(metadata or {}), files=files, tensors=tensors, tree=tree, pickled=pickled,
-        )
-        info = self.commit_manifest(manifest)
+        pending = self.begin_cut(step, writer="store.save")
+        try:
+            pending.write(items, codec=self.shard_codec(), max_shard_bytes=self.options.max_shard_bytes)
+            pending.files_durable()
+            t_write = time.perf_counter()
+            info = pending.commit(tree=tree, pickled=pickled, tags=tags, final=final, metadata=metadata, mode="sync")
+        except BaseException as exc:
+            pending.abandon()
+            self.events.emit("failed", cut=pending.id, step=step, error=str(exc), error_type=type(exc).__name__)
+            if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+                # A raw OSError from below the storage seam still names the store and the cut.
+                raise StorageError.from_os_error(exc, "saving", store=self.url, cut=pending.id,
+                                                 path=getattr(exc, "filename", None)) from exc
+            raise
         t_end = time.perf_counter()
         self.events.emit(
-            "committed", cut=cut, step=step, bytes=info.nbytes, tensors=len(tensors), files=len(files),
+            "committed", cut=info.id, step=step, bytes=info.nbytes, tensors=info.tensors, files=info.files,
             timings={"flatten": t_flat - t0, "write": t_write - t_flat, "commit": t_end - t_write, "total": t_end - t0},
             writer_mode="sync",
         )
         return info
 
-    def _check_step(self, step: int, tags: Sequence[str], metadata: dict[str, Any] | None) -> None:
+    def _check_step(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= layout.MAX_STEP:
             raise UsageError(f"step must be an int in [0, {layout.MAX_STEP}], got {step!r}", store=self.url)
-        if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags):
-            raise UsageError(f"tags must be a sequence of non-empty strings, got {tags!r}", store=self.url)
-        try:
-            json.dumps(metadata or {}, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise UsageError(f"metadata must be JSON-serializable: {exc}", store=self.url) from None
-        cls = self.classify()
-        latest = self._latest_manifest(cls)
+        latest = latest_manifest(self.classify(), self.url)
         if latest is not None and step <= latest.step:
             raise StepConflict(
                 f"step {step} is not above the committed LATEST step {latest.step}", store=self.url,
                 cut=latest.cut, hint="steps must increase; resume from LATEST and continue from its step",
             )
-
-    def _write_cut(self, cut: str, step: int, items: list) -> tuple[list[FileRecord], list[TensorRecord]]:
-        """Protocol steps 1-3: mark, shards, directory sync. On failure everything is removed again."""
-        codec = Codec("zstd", self.options.zstd_level) if self.options.compression == "zstd" else Codec()
-        self._in_flight.add(cut)
-        try:
-            self.protocol.begin(cut, step, "store.save")
-            files: list[FileRecord] = []
-            tensors: list[TensorRecord] = []
-            for i, group in enumerate(plan_shards(items, self.options.max_shard_bytes)):
-                name = layout.shard_name(0, i, compressed=codec.name == "zstd")
-                rec, trecs = write_shard(self.storage, cut, name, 0, group, codec)
-                files.append(rec)
-                tensors.extend(trecs)
-                self.protocol.phase("shard-written", cut)
-            self.protocol.shards_done(cut)
-            return files, tensors
-        except BaseException as exc:
-            self.protocol.abandon(cut)
-            self._in_flight.discard(cut)
-            self.events.emit("failed", cut=cut, step=step, error=str(exc), error_type=type(exc).__name__)
-            if isinstance(exc, OSError) and not isinstance(exc, StorageError):
-                # A raw OSError from below the storage seam still names the store and the cut.
-                raise StorageError.from_os_error(exc, "saving", store=self.url, cut=cut,
-                                                 path=getattr(exc, "filename", None)) from exc
-            raise
-
-    def commit_manifest(self, manifest: Manifest) -> CutInfo:
-        """Protocol steps 4-6 for a cut whose files are durable: manifest, LATEST, unmark.
-
-        Public for the writer's commit thread, which writes files elsewhere and commits here.
-        """
-        cut = manifest.cut
-        self._in_flight.add(cut)
-        try:
-            try:
-                digest = self.protocol.write_manifest(manifest)
-            except BaseException as exc:
-                self.protocol.abandon(cut)
-                self.events.emit("failed", cut=cut, step=manifest.step, error=str(exc), error_type=type(exc).__name__)
-                raise
-            try:
-                self._lock.ensure_held()  # an object-store writer that lost its lease never commits
-                self.protocol.commit(manifest, digest)
-            except BaseException as exc:
-                # Did the rename land (only the directory fsync failed)? Then LATEST names a whole cut:
-                # keep it. Otherwise nothing names it and its files go now.
-                if not self.protocol.latest_names(cut):
-                    self.protocol.abandon(cut)
-                self.events.emit("failed", cut=cut, step=manifest.step, error=str(exc), error_type=type(exc).__name__)
-                raise
-            try:
-                self.protocol.end(cut)
-            except StorageError as exc:
-                self.events.emit("warning", cut=cut, message=f"committed, but the mark was not removed: {exc}")
-        finally:
-            self._in_flight.discard(cut)
-        return CutInfo.from_manifest(manifest)
-
-    def begin_cut(self, cut: str, step: int, writer: str) -> None:
-        """Protocol step 1 for an external writer (the background writer): mark the cut in flight."""
-        self._require_writer("begin_cut")
-        self._in_flight.add(cut)
-        self.protocol.begin(cut, step, writer)
-
-    def abandon_cut(self, cut: str) -> None:
-        """Removes an uncommitted cut of this writer's (after a failed background write)."""
-        self.protocol.abandon(cut)
-        self._in_flight.discard(cut)
 
     def prune(self, policy: Policy, *, dry_run: bool = False) -> list[CutInfo]:
         """Removes committed cuts that ``policy`` does not keep; returns them.
@@ -385,23 +318,27 @@ class Store:
         """
         self._require_writer("prune")
         cls = self.classify()
-        latest = self._latest_manifest(cls)
+        latest = latest_manifest(cls, self.url)
         good = [CutInfo.from_manifest(m) for m in cls.committed if m.cut not in cls.bad]
         keep = policy.keep(good)
         hard = hard_keeps(good, keep, latest.cut if latest else None)
         doomed = [c for c in good if c.id not in keep and c.id not in hard and c.id not in self._in_flight]
         for c in doomed:
             if not dry_run:
-                self.protocol.uncommit(c.id)
+                self._protocol.uncommit(c.id)
             self.events.emit("pruned", cut=c.id, step=c.step, dry_run=dry_run)
         return doomed
 
     def gc(self, *, dry_run: bool = False) -> GcReport:
         """Removes what interrupted saves and prunes left behind; reports foreign files and never
         deletes them. Needs the writer lock, so every marked cut not in flight in this process
-        belongs to a dead writer."""
+        belongs to a dead writer. Refuses while LATEST is broken: which marked cut it names (and so
+        which is committed) cannot be told then."""
         self._require_writer("gc")
         cls = self.classify()
+        if cls.latest_problem is not None:
+            raise LatestError(cls.latest_problem, store=self.url, path=layout.LATEST_FILE,
+                              hint=f"run `ckptstore repair {self.url}` to point LATEST at the newest cut that verifies")
         report = GcReport(foreign=list(cls.foreign), dry_run=dry_run)
         lock_excludes = self._lock.excludes
         for lo in cls.leftovers:
@@ -414,24 +351,24 @@ class Store:
             if dry_run:
                 continue
             if lo.kind == "stale-mark":
-                self.storage.delete(layout.mark_path(lo.cut), durable=True)  # type: ignore[arg-type]
+                self._protocol.unmark(lo.cut)  # type: ignore[arg-type]
             elif lo.kind == "temp-file":
-                self.storage.delete(lo.paths[0], durable=True)
+                self._protocol.remove_temp(lo.paths[0])
             else:
-                foreign = self.protocol.remove_cut_files(lo.cut)  # type: ignore[arg-type]
-                report.foreign.extend(foreign)
-                self.storage.delete(layout.mark_path(lo.cut), durable=True)  # type: ignore[arg-type]
+                report.foreign.extend(self._protocol.remove_leftover(lo.cut))  # type: ignore[arg-type]
         if not dry_run and report.removed:
             self.events.emit("gc", removed=len(report.removed))
         return report
 
     def repair(self, *, progress: Progress | None = None) -> CutInfo | None:
         """Points LATEST at the newest committed cut that verifies (or removes LATEST when no cut is
-        committed). Raises ``CorruptCut`` when committed cuts exist but none verifies."""
+        committed). Raises ``CorruptCut`` when committed cuts exist but none verifies, and the I/O
+        error when a cut could not be read (a transient error never makes repair skip a good cut)."""
         self._require_writer("repair")
         cls = self.classify()
         for m in reversed(cls.committed):
             report = verify_store(self.storage, cls, cut=m.cut, progress=progress)
+            raise_io_errors(report)
             if report.ok or all(f.kind.startswith("latest-") for f in report.errors):
                 info = self.point_latest(m.cut)
                 self.events.emit("repaired", cut=m.cut, step=m.step)
@@ -439,7 +376,7 @@ class Store:
         if cls.committed:
             raise CorruptCut("no committed cut verifies; LATEST left as it was", store=self.url,
                              hint="run `ckptstore verify` to see what is damaged")
-        self.storage.delete(layout.LATEST_FILE, durable=True)
+        self._protocol.remove_latest()
         return None
 
     def point_latest(self, cut: str) -> CutInfo:
@@ -448,17 +385,37 @@ class Store:
         self._require_writer("point_latest")
         m = self.manifest(cut)
         data = self.storage.read_bytes(layout.manifest_path(m.cut))
-        self.protocol.commit(m, hashing.digest(data))
-        self.storage.delete(layout.mark_path(m.cut), durable=True)
+        self._protocol.point_latest(m.cut, m.step, hashing.digest(data))
+        try:
+            self._protocol.unmark(m.cut)
+        except StorageError:
+            pass  # LATEST names it: a stale mark cannot demote it (protocol Rule M)
         return CutInfo.from_manifest(m)
 
     def record_bad(self, cut: str, reason: str) -> None:
-        """Records that a committed cut failed verification, so restarts skip it (no retry loop).
+        """Records that a committed cut is proven damaged, so restarts skip it (no retry loop).
         Allowed on readonly handles too: ``bad/`` is only ever added to, and writers never read it
         for anything but skipping."""
         m = self.manifest(cut)
-        bad = BadCut(cut=m.cut, step=m.step, reason=reason, recorded_at=now_iso())
-        self.storage.write_durably(layout.bad_path(m.cut), bad.to_bytes())
+        self._protocol.record_bad(BadCut(cut=m.cut, step=m.step, reason=reason, recorded_at=now_iso()))
+
+    def _record_bad_quietly(self, cut: str, reason: str) -> None:
+        try:
+            self.record_bad(cut, reason)
+        except StorageError as exc:
+            # A reader may lack write access; the record only saves later fallbacks a verification.
+            if not self.readonly:
+                raise
+            log.warning("ckptstore: could not record bad cut %s of %s: %s", cut, self.url, exc)
+
+
+def _check_cut_fields(tags: Sequence[str], metadata: dict[str, Any] | None, url: str) -> None:
+    if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags):
+        raise UsageError(f"tags must be a sequence of non-empty strings, got {tags!r}", store=url)
+    try:
+        json.dumps(metadata or {}, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"metadata must be JSON-serializable: {exc}", store=url) from None
 
 
 def open_for_repair(url: str, options: StoreOptions | None = None) -> Store:

@@ -4,3 +4,33 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import uuid  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's server mode) on 127.0.0.1, with a bucket "ckpt"."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                 region_name="us-east-1").create_bucket(Bucket="ckpt")
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture()
+def s3_url(s3_server):
+    """A fresh store URL in the bucket and the fsspec options that reach it (a non-default endpoint and
+    explicit credentials: nothing comes from the environment)."""
+    opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": s3_server, "region_name": "us-east-1"},
+            "skip_instance_cache": True}
+    return f"s3://ckpt/run-{uuid.uuid4().hex[:8]}", opts

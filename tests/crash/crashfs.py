@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from ckptstore import layout
-from ckptstore.fs import Entry, Sink, Storage
+from ckptstore.storage import Entry, Sink, Storage
 
 DIR = "<dir>"
 
@@ -59,7 +59,6 @@ class CrashSink(Sink):
 
 
 class CrashFS(Storage):
-    is_local = False
 
     def __init__(self, *, skip_dir_fsync: bool = False, skip_file_fsync: bool = False) -> None:
         self.url = "crashfs://store"

@@ -13,7 +13,7 @@ import pytest
 
 import ckptstore
 from ckptstore import StoreOptions, layout
-from ckptstore.fs import PosixSink, PosixStorage
+from ckptstore.storage import PosixSink, PosixStorage
 
 
 class Faults:

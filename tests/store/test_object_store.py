@@ -12,29 +12,6 @@ import ckptstore
 from ckptstore import StoreOptions
 
 
-@pytest.fixture(scope="module")
-def s3_server():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
-                 region_name="us-east-1").create_bucket(Bucket="ckpt")
-    yield endpoint
-    server.stop()
-
-
-@pytest.fixture()
-def s3_url(s3_server):
-    opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": s3_server, "region_name": "us-east-1"},
-            "skip_instance_cache": True}
-    return f"s3://ckpt/run-{uuid.uuid4().hex[:8]}", opts
-
-
 def _state(i: int) -> dict:
     return {"model": {"w": np.arange(5000, dtype=np.float32) * i, "b": np.ones(7, dtype=np.int64) * i},
             "step": i, "name": f"cut{i}"}
@@ -178,10 +155,8 @@ def test_s3_killed_writer_lease_expires_and_a_new_writer_takes_over(s3_url, tmp_
     code = f"""
 import json, os, sys, numpy as np, ckptstore
 from ckptstore import StoreOptions
-from ckptstore.layout import new_cut_id
 store = ckptstore.Store.open({url!r}, options=StoreOptions(storage_options=json.loads({json.dumps(json.dumps(opts))}), lease_ttl_s={ttl}))
-cut = new_cut_id(2)
-store.begin_cut(cut, 2, "test")   # a cut in flight when the kill lands
+pending = store.begin_cut(2, writer="test")   # a cut in flight when the kill lands
 print("ready", flush=True)
 sys.stdin.read()
 """
@@ -233,7 +208,7 @@ def test_memory_filesystem_has_no_lease_and_says_so():
 
     store = ckptstore.Store.open(f"memory://ckpt-{uuid.uuid4().hex[:8]}", create=True)
     try:
-        assert store.storage.conditional_writes is False
+        assert store.storage.capabilities.conditional_writes is False
         assert isinstance(store._lock, WriterLock) and store._lock.excludes is False
     finally:
         store.close()

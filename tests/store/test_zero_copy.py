@@ -14,7 +14,7 @@ import pytest
 
 from ckptstore import layout
 from ckptstore.arrays import ArrayItem
-from ckptstore.fs import PosixStorage, buffer_address
+from ckptstore.storage import PosixStorage, buffer_address
 from ckptstore.shards import file_order, write_shard
 
 PAGE = 4096

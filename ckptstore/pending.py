@@ -1,0 +1,158 @@
+"""One cut from begin to commit or abandon: the lifecycle object every writer of the store goes through.
+
+``Store.begin_cut`` (writer handles only) marks a cut and returns a :class:`PendingCut`. Its files are
+written into it (``write`` here, or elsewhere and recorded with ``add_files``: the background writer
+process), ``files_durable`` makes their names durable, and ``commit`` publishes the manifest and
+moves LATEST (:mod:`ckptstore.protocol` has the steps and the invariant). ``abandon`` removes an
+uncommitted cut. States::
+
+    open -> written -> committing -> committed
+      |        |            |
+      +--------+------------+-> abandoned      (committing -> abandoned only when LATEST surely
+                            +-> unknown         does not name the cut; unknown: the next open decides)
+
+Any other transition raises ``UsageError``. The files of a cut are recorded per rank, so a coordinator
+can commit the records of several ranks in one manifest.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from . import hashing, layout
+from .arrays import ArrayItem
+from .errors import StorageError, StoreLocked, UsageError
+from .ident import host_identity
+from .info import CutInfo
+from .manifest import FileRecord, Manifest, TensorRecord, WriterIdentity
+from .protocol import CommitProtocol, CommitUnknown, now_iso
+from .shards import Codec, write_shards
+from .version import __version__
+
+if TYPE_CHECKING:
+    from .storage import Storage
+
+OPEN, WRITTEN, COMMITTING, COMMITTED, ABANDONED, UNKNOWN = (
+    "open", "written", "committing", "committed", "abandoned", "unknown")
+_ALLOWED = {
+    OPEN: {WRITTEN, ABANDONED},
+    WRITTEN: {COMMITTING, ABANDONED},
+    COMMITTING: {COMMITTED, ABANDONED, UNKNOWN},
+}
+
+
+class PendingCut:
+    """A marked cut of this writer's. Made by ``Store.begin_cut``; not thread-safe (one driver)."""
+
+    def __init__(self, protocol: CommitProtocol, storage: "Storage", cut: str, step: int, writer: str,
+                 on_end: Callable[["PendingCut"], None]) -> None:
+        self._protocol = protocol
+        self._storage = storage
+        self.id = cut
+        self.step = step
+        self.writer = writer
+        self.state = OPEN
+        self._files: dict[int, tuple[list[FileRecord], list[TensorRecord]]] = {}
+        self._on_end = on_end
+
+    def __repr__(self) -> str:
+        return f"PendingCut({self.id!r}, {self.state})"
+
+    def _move(self, new: str) -> None:
+        if new not in _ALLOWED.get(self.state, set()):
+            raise UsageError(f"cut {self.id}: {self.state} -> {new} is not allowed", store=self._protocol.url,
+                             cut=self.id)
+        self.state = new
+        if new in (COMMITTED, ABANDONED, UNKNOWN):
+            self._on_end(self)
+
+    # files -------------------------------------------------------------------------------------------
+    def write(self, items: Sequence[ArrayItem], *, codec: Codec, max_shard_bytes: int, rank: int = 0,
+              on_bytes: Callable[[int], None] | None = None, timings: dict[str, float] | None = None,
+              hash_threads: int = hashing.AUTO) -> tuple[list[FileRecord], list[TensorRecord]]:
+        """Writes ``items`` as this cut's shards of ``rank`` (durable on return) and records them."""
+        self._require(OPEN, "write files")
+        files, tensors = write_shards(self._storage, self.id, rank, items, codec=codec,
+                                      max_shard_bytes=max_shard_bytes, on_bytes=on_bytes, timings=timings,
+                                      hash_threads=hash_threads, on_shard=lambda: self._protocol.phase("shard-written", self.id))
+        self.add_files(files, tensors, rank=rank)
+        return files, tensors
+
+    def add_files(self, files: list[FileRecord], tensors: list[TensorRecord], *, rank: int = 0) -> None:
+        """Records files of ``rank`` written (and fsynced) elsewhere, e.g. by the writer process."""
+        self._require(OPEN, "add files")
+        if any(f.rank != rank for f in files):
+            raise UsageError(f"file records of cut {self.id} name another rank than {rank}", cut=self.id)
+        self._files[rank] = (list(files), list(tensors))
+
+    def discard_files(self) -> None:
+        """Drops the files written so far (a writer process died mid-cut), keeping the cut marked, so
+        the same cut can be written again from the same memory."""
+        self._require(OPEN, "discard files")
+        self._files.clear()
+        self._protocol.discard_files(self.id)
+
+    def files_durable(self) -> None:
+        """Makes the names of every recorded file durable; after it only ``commit`` or ``abandon``."""
+        self._require(OPEN, "finish files")
+        self._protocol.files_durable(self.id)
+        self._move(WRITTEN)
+
+    # outcome -----------------------------------------------------------------------------------------
+    def commit(self, *, tree: dict[str, Any], pickled: bool = False, tags: Sequence[str] = (), final: bool = False,
+               metadata: dict[str, Any] | None = None, mode: str = "sync") -> CutInfo:
+        """Publishes the manifest and moves LATEST: returns once the cut is committed durably. On a
+        failure before the commit point the cut is abandoned; when LATEST may have moved the cut is
+        left to recovery (state "unknown"); either way the error is raised."""
+        self._require(WRITTEN, "commit")
+        files = [f for rank in sorted(self._files) for f in self._files[rank][0]]
+        tensors = [t for rank in sorted(self._files) for t in self._files[rank][1]]
+        ident = host_identity()
+        manifest = Manifest(
+            cut=self.id, step=self.step, tags=list(tags), final=final, created_at=now_iso(),
+            writer=WriterIdentity(host=ident.host, pid=ident.pid, ckptstore_version=__version__, mode=mode),
+            metadata=dict(metadata or {}), files=files, tensors=tensors, tree=tree, pickled=pickled,
+        )
+        self._move(COMMITTING)
+        try:
+            digest = self._protocol.write_manifest(manifest)
+            self._protocol.point_latest(self.id, self.step, digest)
+        except CommitUnknown:
+            self._move(UNKNOWN)
+            raise
+        except StoreLocked:
+            # This handle may no longer change the store; only its own manifest is taken back, so a
+            # cut the new holder already cleaned cannot look committed without its files. The rest
+            # (mark, files) is the holder's gc's.
+            self._protocol.withdraw_manifest(self.id)
+            self._move(UNKNOWN)
+            raise
+        except BaseException:
+            self._protocol.abandon(self.id)
+            self._move(ABANDONED)
+            raise
+        self._move(COMMITTED)
+        try:
+            self._protocol.unmark(self.id)
+        except StorageError:
+            # Committed and named by LATEST; the stale mark is cleared by the next commit (Rule M) or
+            # by recovery, and can never demote the cut (docs/design.md).
+            pass
+        return CutInfo.from_manifest(manifest)
+
+    def abandon(self) -> None:
+        """Removes the cut's files and mark (best effort: what stays is still marked, so ``gc`` finds
+        it). A no-op once the cut has ended."""
+        if self.state in (COMMITTED, ABANDONED, UNKNOWN):
+            return
+        if self.state == COMMITTING:
+            raise UsageError(f"cut {self.id} is being committed", cut=self.id)
+        self._protocol.abandon(self.id)
+        self._move(ABANDONED)
+
+    def _require(self, state: str, what: str) -> None:
+        if self.state != state:
+            raise UsageError(f"cannot {what}: cut {self.id} is {self.state}", store=self._protocol.url, cut=self.id)
+
+
+__all__ = ["PendingCut"]

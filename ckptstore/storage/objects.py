@@ -1,0 +1,213 @@
+"""Object storage: every non-local fsspec file system (S3 and compatible servers, GCS, memory).
+
+Object stores have no rename: a PUT of a whole object is atomic, so ``write_durably`` is a single PUT
+and a directory is only a key prefix. The commit never depends on renaming a directory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+from typing import Any, BinaryIO
+
+import fsspec
+
+from .base import Capabilities, ConditionFailed, Entry, Sink, Storage, StorageSpec
+from .sink import CHUNK
+
+#: fsspec protocols whose PUTs take If-None-Match / If-Match (s3fs passes them through).
+CONDITIONAL_PROTOCOLS = frozenset({"s3", "s3a"})
+#: fsspec protocols whose data lives inside one process: another process opening the URL sees nothing.
+PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
+
+
+
+class ObjectSink(Sink):
+    def __init__(self, storage: "ObjectStorage", rel: str) -> None:
+        self._storage = storage
+        self._rel = rel
+        try:
+            self._f = storage.fs.open(storage._abs(rel), "wb")
+        except OSError as exc:
+            raise storage._error(exc, "creating object", rel) from exc
+
+    def write(self, data: memoryview | bytes) -> None:
+        try:
+            self._f.write(bytes(data) if not isinstance(data, bytes) else data)
+        except OSError as exc:
+            raise self._storage._error(exc, "writing object", self._rel) from exc
+
+    def close(self) -> None:
+        try:
+            self._f.close()
+        except OSError as exc:
+            self.abort()
+            raise self._storage._error(exc, "uploading object", self._rel) from exc
+
+    def abort(self) -> None:
+        # Never let close() publish a partial object (failure-modes row 58): discard the upload.
+        try:
+            discard = getattr(self._f, "discard", None)
+            if discard is not None:
+                discard()
+        except Exception:  # noqa: BLE001 - abort must not raise
+            pass
+        try:
+            self._storage.fs.rm_file(self._storage._abs(self._rel))
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class ObjectStorage(Storage):
+    """Any non-local fsspec file system. A PUT is atomic per object; there is no rename and no
+    directory, so ``write_durably`` is one PUT and ``sync_dir``/``make_dir`` are no-ops."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+        self.storage_options = dict(storage_options or {})
+        protocol = fs.protocol
+        protocols = set(protocol if isinstance(protocol, (list, tuple)) else [protocol])
+        self.capabilities = Capabilities(
+            conditional_writes=bool(CONDITIONAL_PROTOCOLS & protocols),
+            other_processes=not (PROCESS_LOCAL_PROTOCOLS & protocols),
+        )
+
+    def _abs(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def spec(self) -> StorageSpec | None:
+        if not self.capabilities.other_processes:
+            return None
+        return StorageSpec(self.url, self.storage_options)
+
+    def write_durably(self, rel: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(self._abs(rel), bytes(data))
+        except OSError as exc:
+            raise self._error(exc, "put", rel) from exc
+
+    def put_if_absent(self, rel: str, data: bytes) -> str:
+        if not self.capabilities.conditional_writes:
+            raise NotImplementedError(f"{type(self.fs).__name__} has no conditional writes")
+        try:
+            out = self.fs.pipe_file(self._abs(rel), bytes(data), mode="create")
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            raise self._error(exc, "conditional put", rel) from exc
+        return str((out or {}).get("ETag", ""))
+
+    def put_if_match(self, rel: str, data: bytes, tag: str) -> str:
+        if not self.capabilities.conditional_writes:
+            raise NotImplementedError(f"{type(self.fs).__name__} has no conditional writes")
+        try:
+            out = self.fs.pipe_file(self._abs(rel), bytes(data), IfMatch=tag)
+        except (FileNotFoundError, FileExistsError) as exc:
+            raise ConditionFailed(str(exc)) from exc
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # s3fs maps 412 PreconditionFailed to EINVAL
+                raise ConditionFailed(str(exc)) from exc
+            raise self._error(exc, "conditional put", rel) from exc
+        return str((out or {}).get("ETag", ""))
+
+    def version(self, rel: str) -> tuple[str, float]:
+        try:
+            info = self.fs.info(self._abs(rel), refresh=True)
+        except OSError as exc:
+            raise self._error(exc, "head", rel) from exc
+        modified = info.get("LastModified")
+        age = 0.0
+        if isinstance(modified, datetime.datetime):
+            age = (datetime.datetime.now(datetime.timezone.utc) - modified).total_seconds()
+        return str(info.get("ETag", "")), age
+
+    def open_sink(self, rel: str) -> Sink:
+        return ObjectSink(self, rel)
+
+    def read_bytes(self, rel: str) -> bytes:
+        try:
+            return self.fs.cat_file(self._abs(rel))
+        except OSError as exc:
+            raise self._error(exc, "get", rel) from exc
+
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        try:
+            return self.fs.cat_file(self._abs(rel), start=start, end=end)
+        except OSError as exc:
+            raise self._error(exc, "ranged get", rel) from exc
+
+    def open_reader(self, rel: str) -> BinaryIO:
+        try:
+            return self.fs.open(self._abs(rel), "rb", block_size=CHUNK)
+        except OSError as exc:
+            raise self._error(exc, "opening object", rel) from exc
+
+    def size(self, rel: str) -> int:
+        try:
+            return int(self.fs.size(self._abs(rel)))
+        except OSError as exc:
+            raise self._error(exc, "head", rel) from exc
+
+    def exists(self, rel: str) -> bool:
+        # fsspec's exists() answers False on any error; only "not found" may mean absent here.
+        try:
+            self.fs.info(self._abs(rel), refresh=True)
+        except FileNotFoundError:
+            return False
+        except TypeError:  # file systems whose info() takes no refresh
+            try:
+                self.fs.info(self._abs(rel))
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                raise self._error(exc, "head", rel) from exc
+        except OSError as exc:
+            raise self._error(exc, "head", rel) from exc
+        return True
+
+    def list_dir(self, rel: str) -> list[Entry]:
+        base = self._abs(rel)
+        try:
+            self.fs.invalidate_cache(base)
+            items = self.fs.ls(base, detail=True)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise self._error(exc, "listing", rel) from exc
+        out = []
+        for item in items:
+            name = item["name"].rstrip("/").rsplit("/", 1)[-1]
+            if not name or item["name"].rstrip("/") == base:
+                continue
+            out.append(Entry(name, item.get("type") == "directory", int(item.get("size") or 0)))
+        return sorted(out, key=lambda e: e.name)
+
+    def make_dir(self, rel: str) -> None:
+        return None
+
+    def delete(self, rel: str, *, durable: bool = True) -> None:
+        try:
+            self.fs.rm_file(self._abs(rel))
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise self._error(exc, "delete", rel) from exc
+
+    def remove_dir(self, rel: str) -> None:
+        try:
+            if self.fs.exists(self._abs(rel)) and self.fs.isdir(self._abs(rel)):
+                left = self.fs.ls(self._abs(rel))
+                if not left:
+                    self.fs.rmdir(self._abs(rel))
+        except (FileNotFoundError, NotImplementedError):
+            return
+        except OSError as exc:
+            raise self._error(exc, "removing prefix", rel) from exc
+
+    def sync_dir(self, rel: str) -> None:
+        return None
+
+
