@@ -1,10 +1,11 @@
 """The trainer-facing facade: ``Checkpointer.maybe_cut`` / ``cut`` / ``close``.
 
-A cut costs the loop only :func:`~ckptstore.writer.capture.capture`. A commit thread then marks the
-cut in the store, has the writer process write its shards from the shared block, commits the manifest
-and LATEST through the store's protocol, and prunes. If the writer process dies or hangs, the commit
-thread removes the partial files and writes the same shards itself from the same block (event
-``fallback``); a new writer process is started for the next cut.
+A cut costs the loop only :func:`~ckptstore.writer.capture.capture`. A commit thread then begins the
+cut in the store (a :class:`~ckptstore.pending.PendingCut`), has the writer process write its shards
+from the shared block, records them in the pending cut, commits it, and prunes. If the writer process
+dies or hangs, the commit thread discards the partial files and writes the same shards itself from the
+same block (event ``fallback``); a new writer process is started for the next cut. Shard settings
+(compression, shard size) are the store's (``StoreOptions``), never the Checkpointer's.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ import threading
 import time
 from typing import Any, Sequence
 
-from ckptstore import __version__, layout
+from ckptstore import layout
 from ckptstore.errors import StepConflict, UsageError
 from ckptstore.events import Emitter, JsonLinesFile
-from ckptstore.fs import host_identity
-from ckptstore.manifest import FileRecord, Manifest, TensorRecord, WriterIdentity
-from ckptstore.protocol import now_iso
+from ckptstore.manifest import FileRecord
+from ckptstore.options import StoreOptions
+from ckptstore.pending import PendingCut
 from ckptstore.retention import Policy
-from ckptstore.shards import Codec, write_shard
-from ckptstore.arrays import ArrayItem
 from ckptstore.store import Store
 
 from . import protocol as P
@@ -47,22 +46,37 @@ class Checkpointer:
         *,
         every: int = 1,
         keep: Policy | None = None,
-        compression: str | None = None,
         mode: str = "process",
         busy: str = "skip",
         options: WriterOptions | None = None,
+        store_options: StoreOptions | None = None,
         **more: Any,
     ) -> None:
+        """``url_or_store``: a URL (the store is opened, and created when missing, with
+        ``store_options``: compression, shard size, storage_options) or an open writer ``Store``."""
         if options is None:
-            options = WriterOptions(every=every, keep=keep, compression=compression, mode=mode,  # type: ignore[arg-type]
-                                    busy=busy, **more)  # type: ignore[arg-type]
+            options = WriterOptions(every=every, keep=keep, mode=mode, busy=busy, **more)  # type: ignore[arg-type]
         self.options = options
         if isinstance(url_or_store, Store):
+            if store_options is not None:
+                raise UsageError("store_options go with a URL; this store was opened with its own options",
+                                 store=url_or_store.url)
             self.store, self._owns_store = url_or_store, False
         else:
-            self.store, self._owns_store = Store.open(url_or_store, create=True), True
+            self.store, self._owns_store = Store.open(url_or_store, create=True, options=store_options), True
         if self.store.readonly:
             raise UsageError("a Checkpointer needs a store opened for writing", store=self.store.url)
+        spec = self.store.storage.spec()
+        if options.mode == "process" and spec is None:
+            if self._owns_store:
+                self.store.close()
+            raise UsageError(
+                "a writer process cannot reach this store: its storage lives in this process (fsspec's "
+                "memory file system, or a Storage object passed to Store.open)", store=self.store.url,
+                hint='use Checkpointer(..., mode="thread") for such stores')
+        if spec is not None and options.mode == "process":
+            spec.check_json()
+        self._spec = spec
         self._jsonl = JsonLinesFile(options.events_path) if options.events_path else None
         self.events = Emitter(self.store.url, self._fan_out)
         self._block: Block | None = None
@@ -77,7 +91,6 @@ class Checkpointer:
         self._closed = False
         self._jobs: queue.Queue[tuple[CutHandle, Captured, dict[str, Any]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._fault_next: str | None = None  # test seam: a fault for the writer process's next request
         if options.mode == "process":
             self._writer = self._start_writer()
         if options.mode in ("process", "thread"):
@@ -148,7 +161,8 @@ class Checkpointer:
             self._jsonl(event)
 
     def _start_writer(self) -> WriterProcess:
-        return WriterProcess(self.store.url, self.options)
+        assert self._spec is not None
+        return WriterProcess(self._spec, self.options)
 
     def _raise_unreported(self) -> None:
         for h in self._handles:
@@ -231,36 +245,35 @@ class Checkpointer:
             self._process(*job)
 
     def _process(self, handle: CutHandle, captured: Captured, extra: dict[str, Any]) -> None:
-        """Mark, write (writer process, else this thread), commit, prune. Never raises: the outcome
+        """Begin, write (writer process, else this thread), commit, prune. Never raises: the outcome
         lands in the handle, and unreported failures surface at the next call or at close."""
         t0 = time.perf_counter()
+        pending: PendingCut | None = None
         try:
-            self.store.begin_cut(handle.id, handle.step, f"checkpointer:{self.options.mode}")
+            pending = self.store.begin_cut(handle.step, writer=f"checkpointer:{self.options.mode}", cut=handle.id)
             captured.ready()
-            files, tensors, timings = self._write(handle, captured)
-            self.store.protocol.shards_done(handle.id)
+            files, timings = self._write(handle, captured, pending)
+            pending.files_durable()
             handle.timings.update(timings)
             self.events.emit("written", step=handle.step, cut=handle.id, bytes=sum(f.nbytes for f in files),
                              timings={k: round(v, 6) for k, v in timings.items()}, writer_mode=self.options.mode,
                              fallback=handle.fallback)
             handle.to_committing()
             t_commit = time.perf_counter()
-            manifest = Manifest(
-                cut=handle.id, step=handle.step, tags=extra["tags"], final=extra["final"], created_at=now_iso(),
-                writer=WriterIdentity(host=str(host_identity()["host"]), pid=os.getpid(), ckptstore_version=__version__,
-                                      mode=self.options.mode),
-                metadata=extra["metadata"], files=files, tensors=tensors, tree=captured.tree, pickled=captured.pickled,
-            )
-            info = self.store.commit_manifest(manifest)
+            info = pending.commit(tree=captured.tree, pickled=captured.pickled, tags=extra["tags"],
+                                  final=extra["final"], metadata=extra["metadata"], mode=self.options.mode)
             handle.to_committed(info)
             self.events.emit("committed", step=handle.step, cut=handle.id, bytes=info.nbytes,
                              timings={"commit": elapsed(t_commit), "total": elapsed(t0)},
                              writer_mode=self.options.mode, fallback=handle.fallback, final=extra["final"])
         except BaseException as exc:  # noqa: BLE001 - recorded in the handle, raised later
-            if handle.state in ("capturing", "writing"):
-                # Before the manifest: nothing of this cut can be committed, so its files go now. Once
-                # committing, LATEST may already name it: leave it to recovery (its mark decides).
-                self.store.abandon_cut(handle.id)
+            if pending is not None:
+                # Before the commit point its files go now; once LATEST may name it, the pending cut has
+                # already ended (committed, or left to recovery) and this does nothing.
+                try:
+                    pending.abandon()
+                except BaseException:  # noqa: BLE001 - the cut stays marked; gc removes it
+                    pass
             if not handle.done:
                 handle.to_failed(exc)
             self.events.emit("failed", step=handle.step, cut=handle.id, error=str(exc), error_type=type(exc).__name__,
@@ -272,10 +285,9 @@ class Checkpointer:
             except BaseException as exc:  # noqa: BLE001 - a failed prune never fails a committed cut
                 self.events.emit("warning", step=handle.step, message=f"prune failed: {exc}")
 
-    def _write(self, handle: CutHandle, captured: Captured) -> tuple[list[FileRecord], list[TensorRecord], dict[str, float]]:
-        req = self._request(handle, captured)
+    def _write(self, handle: CutHandle, captured: Captured, pending: PendingCut) -> tuple[list[FileRecord], dict[str, float]]:
+        """The cut's shards, written by the writer process (else here), recorded in ``pending``."""
         if self.options.mode == "process":
-            fault, self._fault_next = self._fault_next, None
             try:
                 if self._writer is not None and not self._writer.alive:
                     # It died between cuts (OOM killer, operator): handled like a death mid-cut, with a
@@ -284,48 +296,36 @@ class Checkpointer:
                 if self._writer is None:
                     self._writer = self._start_writer()
                 assert self._block is not None
-                done = self._writer.write(req.model_copy(update={"fault": fault}), self._block.fd)
-                return done.files, done.tensors, dict(done.timings)
+                done = self._writer.write(self._request(handle, captured), self._block.fd)
+                pending.add_files(done.files, done.tensors)
+                return done.files, dict(done.timings)
             except (WriterDied, WriterTimeout) as exc:
                 handle.fallback = str(exc)
                 self.events.emit("fallback", step=handle.step, cut=handle.id, reason=str(exc),
                                  error_type=type(exc).__name__)
                 self._close_writer()
                 # Partial files of the dead writer go; the mark stays (the cut is still in flight here).
-                self.store.protocol.remove_cut_files(handle.id)
-                self.store.storage.make_dir(layout.cut_dir(handle.id))
-        return self._write_here(req)
+                pending.discard_files()
+        return self._write_here(captured, pending)
 
     def _request(self, handle: CutHandle, captured: Captured) -> P.WriteRequest:
-        from ckptstore.shards import plan_shards
-
         assert self._block is not None
-        slots = [P.SlotMsg(name=s.name, kind=s.kind, dtype=s.dtype, shape=list(s.shape), nbytes=s.nbytes,  # type: ignore[arg-type]
-                           offset=s.offset) for s in captured.plan.slots]
-        indexed = [ArrayItem(s.name, s.kind, s.dtype, s.shape, s.nbytes, memoryview(b"")) for s in captured.plan.slots]
-        groups = plan_shards(indexed, self.options.max_shard_bytes)
-        pos = {id(it): i for i, it in enumerate(indexed)}
-        shards = [[pos[id(it)] for it in group] for group in groups]
+        codec = self.store.shard_codec()
         return P.WriteRequest(cut=handle.id, step=handle.step, block=self._block.name, block_size=self._block.size,
-                              slots=slots, shards=shards, codec="zstd" if self.options.compression == "zstd" else "none",
-                              zstd_level=self.options.zstd_level)
+                              slots=list(captured.plan.slots), codec=codec.name,  # type: ignore[arg-type]
+                              zstd_level=codec.level, max_shard_bytes=self.store.options.max_shard_bytes)
 
-    def _write_here(self, req: P.WriteRequest) -> tuple[list[FileRecord], list[TensorRecord], dict[str, float]]:
+    def _write_here(self, captured: Captured, pending: PendingCut) -> tuple[list[FileRecord], dict[str, float]]:
         """The same shards the writer process would write, from the same block, in this process."""
         assert self._block is not None
         t0 = time.perf_counter()
         view = self._block.view
-        codec = Codec(req.codec, req.zstd_level)
-        files, tensors, timings = [], [], {}
-        for i, idx in enumerate(req.shards):
-            items = [ArrayItem(s.name, s.kind, s.dtype, tuple(s.shape), s.nbytes, view[s.offset:s.offset + s.nbytes])
-                     for s in (req.slots[j] for j in idx)]
-            rec, trecs = write_shard(self.store.storage, req.cut, layout.shard_name(req.rank, i, compressed=codec.name == "zstd"),
-                                     req.rank, items, codec, timings=timings)
-            files.append(rec)
-            tensors.extend(trecs)
+        items = [s.item(view) for s in captured.plan.slots]
+        timings: dict[str, float] = {}
+        files, _ = pending.write(items, codec=self.store.shard_codec(), max_shard_bytes=self.store.options.max_shard_bytes,
+                                 timings=timings)
         timings["total"] = time.perf_counter() - t0
-        return files, tensors, timings
+        return files, timings
 
     def _close_writer(self) -> None:
         if self._writer is not None:

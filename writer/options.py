@@ -13,7 +13,8 @@ Busy = Literal["skip", "wait"]
 
 @dataclass(frozen=True, kw_only=True)
 class WriterOptions:
-    """How a :class:`~ckptstore.writer.Checkpointer` takes cuts.
+    """How a :class:`~ckptstore.writer.Checkpointer` takes cuts. How shards are encoded (compression,
+    shard size) is the store's business: ``StoreOptions``, never here.
 
     ``mode``: "process" (default: a persistent niced writer subprocess), "thread" (a thread of the
     trainer writes; for comparison) or "inline" (the call writes and commits; for debugging). All three
@@ -28,8 +29,6 @@ class WriterOptions:
 
     every: int = 1
     keep: Policy | None = None
-    compression: Literal["zstd"] | None = None
-    zstd_level: int = 1
     mode: Mode = "process"
     busy: Busy = "skip"
     nice: int = 10
@@ -38,7 +37,6 @@ class WriterOptions:
     write_threads: int = 1
     write_timeout: float = 600.0
     handshake_timeout: float = 60.0
-    max_shard_bytes: int = 1 << 30
     on_event: Callable[[dict[str, Any]], None] | None = None
     events_path: str | None = None
     device_copy: bool = True
@@ -54,5 +52,3 @@ class WriterOptions:
             raise ValueError("nice must be in [0, 19]")
         if self.write_timeout <= 0 or self.handshake_timeout <= 0:
             raise ValueError("timeouts must be positive")
-        if self.compression not in (None, "zstd"):
-            raise ValueError("compression must be None or 'zstd'")

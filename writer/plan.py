@@ -7,20 +7,30 @@ CUDA copy lands on an aligned host address.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from ckptstore.arrays import ArrayItem
 
 ALIGN = 4096
 
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one array lives in the block."""
+    """Where one array lives in the block: the one record of an array from the plan, over the wire to
+    the writer process (``WriteRequest.slots`` validates this very type), to the shard writer
+    (:meth:`item`), which turns it into the manifest's TensorRecord."""
 
     name: str
-    kind: str
+    kind: Literal["torch", "numpy"]
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     offset: int
+
+    def item(self, block: memoryview) -> ArrayItem:
+        """The array's bytes in ``block`` (the shared block's view), ready for ``write_shards``."""
+        return ArrayItem(self.name, self.kind, self.dtype, self.shape, self.nbytes,
+                         block[self.offset : self.offset + self.nbytes])
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,10 @@ import subprocess
 import sys
 import time
 
+from typing import Sequence
+
 from ckptstore.errors import CkptStoreError, StorageError
+from ckptstore.storage import StorageSpec
 
 from . import protocol as P
 from .errors import WriterDied, WriterError, WriterTimeout
@@ -25,12 +28,16 @@ from .options import WriterOptions
 class WriterProcess:
     """One persistent writer subprocess."""
 
-    def __init__(self, store_url: str, options: WriterOptions) -> None:
-        self.store_url = store_url
+    #: The worker's command line before its arguments. Tests start a fault-injecting worker instead
+    #: (tests/writer/fault_worker.py) by passing ``command``; nothing of that travels in the protocol.
+    COMMAND = (sys.executable, "-m", "ckptstore.writer.worker")
+
+    def __init__(self, spec: StorageSpec, options: WriterOptions, *, command: Sequence[str] | None = None) -> None:
+        self.store_url = store_url = spec.url
         self.options = options
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        cmd = [sys.executable, "-m", "ckptstore.writer.worker", "--sock-fd", str(child_end.fileno()),
-               "--store", store_url, "--parent", str(os.getpid()), "--nice", str(options.nice),
+        cmd = [*(command or self.COMMAND), "--sock-fd", str(child_end.fileno()),
+               "--parent", str(os.getpid()), "--nice", str(options.nice),
                "--hash-threads", str(options.write_threads)]
         if options.idle_io:
             cmd.append("--idle-io")
@@ -56,6 +63,10 @@ class WriterProcess:
             raise WriterError(f"writer process sent {hello.kind!r} instead of hello", store=store_url)
         self.hello = hello
         self.pid = self.proc.pid
+        try:
+            P.send(self._req, P.OpenStore(url=spec.url, storage_options=spec.storage_options))
+        except P.ChannelClosed:
+            raise self._death(None, None) from None
         self.last_phase = "idle"
 
     @property

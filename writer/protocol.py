@@ -1,8 +1,8 @@
 """The typed parent/worker protocol: small JSON frames over a Unix socket; tensors never travel here.
 
 Each frame is a u32 little-endian length and a UTF-8 JSON object with a ``kind``, over one Unix
-socket pair. The parent sends ``write`` and ``shutdown``; the worker answers ``hello`` once (the
-handshake), then ``progress`` while it writes (liveness), ``done`` or ``error`` per request. Every
+socket pair. The parent sends ``open`` once after the handshake, then ``write`` and ``shutdown``; the
+worker answers ``hello`` once (the handshake), then ``progress`` while it writes (liveness), ``done`` or ``error`` per request. Every
 message is a strict pydantic model: unknown kinds or fields are refused. When a ``write`` names a block
 the worker has not seen, the frame is followed by one byte carrying the block's file descriptor
 (SCM_RIGHTS): the block has no name to attach by (see ``shm.py``).
@@ -23,6 +23,8 @@ from pydantic import Field, TypeAdapter
 from ckptstore.manifest import FileRecord, TensorRecord
 from ckptstore.models import StrictModel
 
+from .plan import Slot
+
 MAX_FRAME = 256 << 20
 
 
@@ -33,28 +35,30 @@ class Hello(StrictModel):
     modules_with_torch: bool
 
 
-class SlotMsg(StrictModel):
-    name: str
-    kind: Literal["torch", "numpy"]
-    dtype: str
-    shape: list[int]
-    nbytes: int = Field(ge=0)
-    offset: int = Field(ge=0)
+class OpenStore(StrictModel):
+    """The store the worker writes into: what ``Storage.spec()`` says (URL and fsspec options, e.g.
+    an endpoint and credentials). Sent once after the handshake, over the socket (never on the command
+    line, where other users could read credentials)."""
+
+    kind: Literal["open"] = "open"
+    url: str
+    storage_options: dict[str, Any] = Field(default_factory=dict)
 
 
 class WriteRequest(StrictModel):
+    """Write the arrays in ``slots`` (offsets into the shared block) as the shards of ``rank`` of
+    ``cut``, with the store's shard settings (codec, level, shard size)."""
+
     kind: Literal["write"] = "write"
     cut: str
     step: int
     block: str
     block_size: int
-    slots: list[SlotMsg]
-    shards: list[list[int]]  # slot indices per shard, in order
+    slots: list[Slot]
     codec: Literal["none", "zstd"]
     zstd_level: int = 1
+    max_shard_bytes: int = Field(ge=1)
     rank: int = 0
-    # test-only fault injection: "exit-mid-shard" | "hang-mid-shard" | "sigkill-mid-shard"
-    fault: str | None = None
 
 
 class Progress(StrictModel):
@@ -83,7 +87,7 @@ class Shutdown(StrictModel):
     kind: Literal["shutdown"] = "shutdown"
 
 
-Message = Union[Hello, WriteRequest, Progress, WriteDone, WriteFailed, Shutdown]
+Message = Union[Hello, OpenStore, WriteRequest, Progress, WriteDone, WriteFailed, Shutdown]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(Message)
 
 

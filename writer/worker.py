@@ -23,11 +23,9 @@ import threading
 import time
 from typing import Any
 
-from ckptstore.arrays import ArrayItem
 from ckptstore.errors import CkptStoreError
-from ckptstore.fs import Storage, open_storage
-from ckptstore.layout import shard_name
-from ckptstore.shards import Codec, write_shard
+from ckptstore.shards import Codec, write_shards
+from ckptstore.storage import Storage, StorageSpec, open_spec
 
 from . import protocol as P
 from .shm import Block
@@ -38,9 +36,9 @@ _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 
 
 class Worker:
-    def __init__(self, sock_fd: int, store_url: str, parent: int, hash_threads: int = 1) -> None:
+    def __init__(self, sock_fd: int, parent: int, hash_threads: int = 1) -> None:
         self.sock = sock_fd
-        self.store_url = store_url
+        self.spec: StorageSpec | None = None
         self.parent = parent
         self.hash_threads = hash_threads
         self.blocks: dict[str, Block] = {}
@@ -68,6 +66,9 @@ class Worker:
             except P.ChannelClosed:
                 self.orphaned()
                 return 0
+            if isinstance(msg, P.OpenStore):
+                self.spec, self.storage = StorageSpec(msg.url, msg.storage_options), None
+                continue
             if isinstance(msg, P.Shutdown):
                 for block in self.blocks.values():
                     block.close()
@@ -103,56 +104,38 @@ class Worker:
     def write(self, req: P.WriteRequest) -> P.WriteDone:
         t0 = time.perf_counter()
         if self.storage is None:
-            self.storage = open_storage(self.store_url)
+            if self.spec is None:
+                raise RuntimeError("the parent sent a write before naming the store")
+            self.storage = open_spec(self.spec)
         block = self.blocks[req.block]
-        codec = Codec(req.codec, req.zstd_level)
-        files, tensors = [], []
+        items = [s.item(block.view) for s in req.slots]
         timings: dict[str, float] = {}
-        progress = _Progress(req, self)
-        for i, idx in enumerate(req.shards):
-            items = [
-                ArrayItem(s.name, s.kind, s.dtype, tuple(s.shape), s.nbytes, block.view[s.offset : s.offset + s.nbytes])
-                for s in (req.slots[j] for j in idx)
-            ]
-            name = shard_name(req.rank, i, compressed=codec.name == "zstd")
-            rec, trecs = write_shard(self.storage, req.cut, name, req.rank, items, codec,
-                                     on_bytes=progress, timings=timings, hash_threads=self.hash_threads)
-            files.append(rec)
-            tensors.extend(trecs)
+        files, tensors = write_shards(self.storage, req.cut, req.rank, items, codec=Codec(req.codec, req.zstd_level),
+                                      max_shard_bytes=req.max_shard_bytes, on_bytes=self.progress(req),
+                                      timings=timings, hash_threads=self.hash_threads)
         timings["total"] = time.perf_counter() - t0
         return P.WriteDone(cut=req.cut, files=files, tensors=tensors, timings=timings)
 
+    def progress(self, req: P.WriteRequest) -> "_Progress":
+        """The byte counter of one request: sends liveness frames (tests wrap it to inject faults)."""
+        return _Progress(req, self)
+
 
 class _Progress:
-    """Sends a progress frame at most every 0.2 s (liveness), and runs test-only faults mid-shard."""
+    """Sends a progress frame at most every 0.2 s: the parent's liveness signal."""
 
     def __init__(self, req: P.WriteRequest, worker: Worker) -> None:
         self.req = req
         self.worker = worker
         self.done = 0
         self.last = time.monotonic()
-        self.total = sum(s.nbytes for s in req.slots)
 
     def __call__(self, n: int) -> None:
         self.done += n
-        if self.req.fault and self.done * 2 >= self.total:
-            _fault(self.req.fault)
         now = time.monotonic()
         if now - self.last >= 0.2:
             self.last = now
             self.worker.send(P.Progress(cut=self.req.cut, bytes_done=self.done))
-
-
-def _fault(kind: str) -> None:
-    if kind == "exit-mid-shard":
-        os._exit(17)
-    if kind == "sigkill-mid-shard":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "hang-mid-shard":
-        while True:
-            time.sleep(3600)
-    if kind == "raise-mid-shard":
-        raise PermissionError(13, "injected fault: permission denied")
 
 
 def _lower_priority(nice: int, idle_io: bool, cpus: list[int] | None) -> None:
@@ -169,14 +152,13 @@ def _lower_priority(nice: int, idle_io: bool, cpus: list[int] | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ckptstore.writer.worker")
     ap.add_argument("--sock-fd", type=int, required=True)
-    ap.add_argument("--store", required=True)
     ap.add_argument("--parent", type=int, required=True)
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--idle-io", action="store_true")
     ap.add_argument("--cpus", default="")
     ap.add_argument("--hash-threads", type=int, default=1)
     args = ap.parse_args(argv)
-    worker = Worker(args.sock_fd, args.store, args.parent, hash_threads=max(1, args.hash_threads))
+    worker = Worker(args.sock_fd, args.parent, hash_threads=max(1, args.hash_threads))
     signal.signal(signal.SIGTERM, worker.orphaned)
     if os.getppid() != args.parent:  # the parent died before we got here
         return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from ckptstore.writer import Checkpointer
-from writerkit import (BOUND, EventLog, assert_state_equal, check_store, clone_state, mutate_in_place,
+from writerkit import (inject_fault, BOUND, EventLog, assert_state_equal, check_store, clone_state, mutate_in_place,
                        read_jsonl, small_state)
 
 TIMEOUT = 2.0
@@ -23,7 +23,7 @@ def test_skip_while_in_flight_then_final_waits(url, tmp_path):
     state = small_state(1.0)
     with Checkpointer(url, every=10, busy="skip", write_timeout=TIMEOUT, on_event=log,
                       events_path=str(events_path)) as ck:
-        ck._fault_next = "hang-mid-shard"
+        inject_fault(ck, "hang-mid-shard")
         first = ck.maybe_cut(10, state)
         snap10 = clone_state(state)
         assert first is not None
@@ -41,7 +41,7 @@ def test_skip_while_in_flight_then_final_waits(url, tmp_path):
         assert info.step == 10 and first.fallback and "no progress" in first.fallback
 
         # A second hung cut, and then the final cut: it waits for the one in flight, never skips.
-        ck._fault_next = "hang-mid-shard"
+        inject_fault(ck, "hang-mid-shard")
         second = ck.maybe_cut(30, state)
         snap30 = clone_state(state)
         assert second is not None
@@ -75,7 +75,7 @@ def test_busy_wait_waits_for_periodic_cuts_too(url):
     log = EventLog()
     state = small_state(2.0)
     with Checkpointer(url, every=1, busy="wait", write_timeout=TIMEOUT, on_event=log) as ck:
-        ck._fault_next = "hang-mid-shard"
+        inject_fault(ck, "hang-mid-shard")
         first = ck.maybe_cut(1, state)
         snap1 = clone_state(state)
         mutate_in_place(state)

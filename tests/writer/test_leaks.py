@@ -11,7 +11,7 @@ import pytest
 from ckptstore import KeepLast
 from ckptstore.writer import Checkpointer
 from ckptstore.writer.shm import leftover_segments
-from writerkit import (BOUND, check_store, child_pids, fd_count, has_exited, mutate_in_place, rss_bytes,
+from writerkit import (inject_fault, BOUND, check_store, child_pids, fd_count, has_exited, mutate_in_place, rss_bytes,
                        small_state, wait_until)
 
 MB = 1 << 20
@@ -51,7 +51,7 @@ def test_100_cuts_in_process_mode_leak_nothing(url, tmp_path):
         for step in range(1, 101):
             mutate_in_place(state)
             if step == 50:
-                ck._fault_next = "sigkill-mid-shard"  # a writer death and respawn on the way
+                inject_fault(ck, "sigkill-mid-shard")  # a writer death and respawn on the way
             h = ck.cut(step, state)
             h.wait(BOUND)
             if ck.writer_pid is not None and ck.writer_pid not in writers:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from ckptstore import StoreOptions
 from ckptstore.writer import Checkpointer
 from writerkit import BOUND, assert_state_equal, check_store, clone_state, mutate_in_place, small_state
 
@@ -69,8 +70,10 @@ def test_modes_write_byte_identical_shards(tmp_path, compression):
     out = {}
     for mode in MODES:
         url = str(tmp_path / mode)
-        # A small shard limit, so the state spreads over several shard files.
-        with Checkpointer(url, every=1, mode=mode, compression=compression, max_shard_bytes=64 << 10) as ck:
+        # A small shard limit, so the state spreads over several shard files. Shard settings are the
+        # store's: the Checkpointer writes what the store was opened with, in every mode.
+        opts = StoreOptions(compression=compression, max_shard_bytes=64 << 10)
+        with Checkpointer(url, every=1, mode=mode, store_options=opts) as ck:
             info = ck.cut(7, state).wait(BOUND)
         m = check_store(url).manifest(info.id)
         out[mode] = (

@@ -19,7 +19,7 @@ import pytest
 
 from ckptstore import CkptStoreError, StorageError
 from ckptstore.writer import Checkpointer
-from writerkit import (BOUND, EventLog, assert_state_equal, check_store, child_pids, clone_state,
+from writerkit import (inject_fault, BOUND, EventLog, assert_state_equal, check_store, child_pids, clone_state,
                        has_exited, mutate_in_place, small_state, wait_until)
 
 
@@ -42,10 +42,10 @@ def test_writer_dies_mid_shard_cut_commits_by_fallback(url, fault, reason):
     state = small_state(3.0)
     with Checkpointer(url, every=1, on_event=log) as ck:
         prev = ck.cut(1, state).wait(BOUND)
+        inject_fault(ck, fault)
         old_pid = ck.writer_pid
         mutate_in_place(state)
         snap = clone_state(state)
-        ck._fault_next = fault
         h = ck.cut(2, state)
         mutate_in_place(state)
         info = h.wait(BOUND)
@@ -97,8 +97,8 @@ def test_hung_writer_turns_into_fallback_within_bounded_time(url):
     state = small_state(5.0)
     with Checkpointer(url, every=1, on_event=log, write_timeout=timeout) as ck:
         ck.cut(1, state).wait(BOUND)
+        inject_fault(ck, "hang-mid-shard")
         old_pid = ck.writer_pid
-        ck._fault_next = "hang-mid-shard"
         snap = clone_state(state)
         t0 = time.monotonic()
         h = ck.cut(2, state)
@@ -135,8 +135,8 @@ def test_writer_error_fails_the_cut_and_surfaces_at_the_next_call(url, surfaces_
     ck = Checkpointer(url, every=1, on_event=log)
     try:
         prev = ck.cut(1, state).wait(BOUND)
+        inject_fault(ck, "raise-mid-shard")
         pid = ck.writer_pid
-        ck._fault_next = "raise-mid-shard"
         h = ck.maybe_cut(2, state)
         failed = _cut_failed_cleanly(ck, log, url, prev.id, 2)
         assert failed["error_type"] == "StorageError" and "permission denied" in failed["error"]
@@ -170,7 +170,7 @@ def test_failed_cut_error_is_raised_by_wait_once(url):
     log = EventLog()
     with Checkpointer(url, every=1, on_event=log) as ck:
         prev = ck.cut(1, small_state()).wait(BOUND)
-        ck._fault_next = "raise-mid-shard"
+        inject_fault(ck, "raise-mid-shard")
         h = ck.cut(2, small_state())
         with pytest.raises(StorageError, match="injected fault"):
             h.wait(BOUND)
@@ -227,10 +227,13 @@ import sys
 import numpy as np
 from ckptstore.writer import Checkpointer
 
+sys.path.insert(0, sys.argv[3])
+from fault_worker import inject
+
 ck = Checkpointer(sys.argv[1], every=1)
 ck.cut(1, {"a": np.zeros(4096), "b": np.ones(4096)}).wait(60)
 if sys.argv[2] == "fail":
-    ck._fault_next = "raise-mid-shard"
+    inject(ck, "raise-mid-shard")
 ck.maybe_cut(2, {"a": np.full(4096, 2.0), "b": np.full(4096, 3.0)})
 # The script ends here without close() and without waiting: the atexit drain decides the exit status.
 """
@@ -238,7 +241,7 @@ ck.maybe_cut(2, {"a": np.full(4096, 2.0), "b": np.full(4096, 3.0)})
 
 @pytest.mark.parametrize("outcome", ["ok", "fail"])
 def test_script_ending_without_close_drains_or_exits_nonzero(url, outcome):
-    res = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, url, outcome], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, url, outcome, os.path.dirname(__file__)], capture_output=True, text=True,
                          timeout=120)
     store = check_store(url)
     if outcome == "ok":

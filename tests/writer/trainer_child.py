@@ -12,6 +12,7 @@ import threading
 import numpy as np
 
 from ckptstore.writer import Checkpointer
+from fault_worker import inject
 
 
 def say(**doc: object) -> None:
@@ -24,10 +25,10 @@ def main() -> int:
     state = {f"w{i}": np.full(64 * 1024, float(i), dtype=np.float32) for i in range(4)}
     ck = Checkpointer(url, every=1, mode="process", write_timeout=300)
     info = ck.cut(1, state).wait(60)
+    inject(ck, "hang-mid-shard")  # a writer process that hangs halfway through its next cut
     say(event="first", cut=info.id, pid=os.getpid(), writer_pid=ck.writer_pid)
     for a in state.values():
         a += 1.0
-    ck._fault_next = "hang-mid-shard"
     h = ck.maybe_cut(2, state)
     assert h is not None
     say(event="second", cut=h.id)

@@ -15,6 +15,9 @@ import torch
 
 from ckptstore import Store
 
+from fault_worker import inject as inject_fault  # noqa: E402,F401 - re-exported for the tests
+
+
 #: Upper bound for anything that should take well under a second here; generous for a loaded 2-core box.
 BOUND = 30.0
 
