@@ -26,8 +26,15 @@ class ArrayItem:
     data: memoryview
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
 def torch_dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
+    """"float32" for torch.float32 (``str(dtype)`` costs 13 us; a save of 40,000 tensors asks 40,000 times)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def describe(leaf: Leaf) -> ArrayItem:
@@ -74,12 +81,12 @@ def empty_for(kind: str, dtype: str, shape: list[int], nbytes: int) -> tuple[Any
         return arr, memoryview(buf)
     import torch
 
-    raw = torch.empty(nbytes, dtype=torch.uint8)
     tdtype = getattr(torch, dtype)
-    if nbytes:
-        t = raw.view(tdtype).reshape(shape)
-        return t, memoryview(raw.numpy())
-    return torch.empty(shape, dtype=tdtype), memoryview(b"")
+    t = torch.empty(shape, dtype=tdtype)
+    if not nbytes:
+        return t, memoryview(b"")
+    # reshape(-1) of a fresh contiguous tensor is a view; its bytes as uint8 are what readinto fills.
+    return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def finish_tensor(obj: Any, node: dict[str, Any], map_location: Any) -> Any:

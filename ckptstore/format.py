@@ -22,7 +22,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from .errors import CorruptCut, HostileInput, TruncatedFile
 
@@ -81,8 +81,9 @@ def header_dtype(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> 
     return st, list(shape)
 
 
-@dataclass(frozen=True)
-class HeaderEntry:
+class HeaderEntry(NamedTuple):
+    """One tensor of a decoded header (a NamedTuple: a shard of 40,000 small tensors makes 40,000)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -186,26 +187,33 @@ def decode_header(
     return ShardHeader(tuple(entries), meta, data_start, expected)
 
 
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+_SANE = 2**62
+
+
+def _sane_ints(values: Any, max_len: int) -> bool:
+    """A list of at most ``max_len`` ints (not bools) in [0, 2**62). Written as a plain loop: this runs
+    once per tensor of every shard read."""
+    if type(values) is not list or len(values) > max_len:
+        return False
+    for v in values:
+        if type(v) is not int or not 0 <= v < _SANE:
+            return False
+    return True
+
+
 def _check_entry(name: str, spec: Any, where: dict[str, str | None]) -> HeaderEntry:
-    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+    if type(spec) is not dict or spec.keys() != _ENTRY_KEYS:
         raise CorruptCut(f"tensor {name!r}: header entry must have exactly dtype, shape, data_offsets", **where)
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    if dtype not in ST_ITEMSIZE:
+    itemsize = ST_ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if itemsize is None:
         raise CorruptCut(f"tensor {name!r}: unknown dtype {dtype!r}", **where)
-    if (
-        not isinstance(shape, list)
-        or len(shape) > 64
-        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62 for d in shape)
-    ):
+    if not _sane_ints(shape, 64):
         raise HostileInput(f"tensor {name!r}: shape {shape!r} is not a list of sane sizes", **where)
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) and 0 <= o < 2**62 for o in offsets)
-        or offsets[0] > offsets[1]
-    ):
+    if not _sane_ints(offsets, 2) or len(offsets) != 2 or offsets[0] > offsets[1]:
         raise HostileInput(f"tensor {name!r}: data_offsets {offsets!r} are not an ordered pair", **where)
-    nbytes = math.prod(shape) * ST_ITEMSIZE[dtype]
+    nbytes = math.prod(shape) * itemsize
     if offsets[1] - offsets[0] != nbytes:
         raise CorruptCut(
             f"tensor {name!r}: {dtype}{shape} needs {nbytes} bytes, offsets span {offsets[1] - offsets[0]}",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from . import hashing, layout
 from .arrays import ArrayItem
 from .errors import StorageError, StoreLocked, UsageError
+from .gcpause import pausing
 from .ident import host_identity
 from .info import CutInfo
 from .manifest import FileRecord, Manifest, TensorRecord, WriterIdentity
@@ -99,6 +100,7 @@ class PendingCut:
         self._move(WRITTEN)
 
     # outcome -----------------------------------------------------------------------------------------
+    @pausing
     def commit(self, *, tree: dict[str, Any], pickled: bool = False, tags: Sequence[str] = (), final: bool = False,
                metadata: dict[str, Any] | None = None, mode: str = "sync") -> CutInfo:
         """Publishes the manifest and moves LATEST: returns once the cut is committed durably. On a

@@ -29,6 +29,7 @@ from .errors import (
     UsageError,
 )
 from .events import Emitter, log
+from .gcpause import pausing
 from .info import CutInfo
 from .latest import StoreIdentity
 from .loader import load_manifest
@@ -171,6 +172,7 @@ class Store:
         self._lock.ensure_held()
 
     # ----------------------------------------------------------------------------------------- reads
+    @pausing
     def classify(self) -> Classification:
         """What is on disk right now (see :mod:`ckptstore.recovery`)."""
         return classify(scan(self.storage, self._manifests))
@@ -188,6 +190,7 @@ class Store:
         """The manifest of a committed cut: "latest", a cut id, or an int step."""
         return select_manifest(self.classify(), cut, self.url)
 
+    @pausing
     def load(
         self,
         cut: CutSelector = "latest",
@@ -220,6 +223,7 @@ class Store:
             log.warning("ckptstore: skipped cut %s of %s: %s", bad_cut, self.url, why)
         return info, skipped
 
+    @pausing
     def verify(self, cut: CutSelector | None = None, *, progress: Progress | None = None) -> VerifyReport:
         """Re-hashes every file of every committed cut (or one cut) and reports every finding."""
         cls = self.classify()
@@ -255,6 +259,7 @@ class Store:
     def _ended(self, pending: PendingCut) -> None:
         self._in_flight.pop(pending.id, None)
 
+    @pausing
     def save(
         self,
         state: Any,

@@ -23,6 +23,7 @@ from ckptstore.arrays import torch_dtype_name
 from ckptstore.format import TORCH_DTYPES
 from ckptstore.errors import UnsupportedValue
 from ckptstore.tree import Leaf, flatten, has_pickle
+from ckptstore.gcpause import pausing
 
 from .plan import BlockPlan, plan_block
 from .shm import Block
@@ -91,6 +92,7 @@ class Pinning:
             self.block, self.ptr = None, 0
 
 
+@pausing  # flattening tens of thousands of tensors: the collector would make it quadratic
 def capture(
     state: Any,
     block_for: Callable[[int], Block],

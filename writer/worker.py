@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from ckptstore.errors import CkptStoreError
+from ckptstore.gcpause import pausing
 from ckptstore.shards import Codec, write_shards
 from ckptstore.storage import Storage, StorageSpec, open_spec
 
@@ -101,6 +102,7 @@ class Worker:
             return
         self.send(done)
 
+    @pausing
     def write(self, req: P.WriteRequest) -> P.WriteDone:
         t0 = time.perf_counter()
         if self.storage is None:
