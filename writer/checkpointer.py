@@ -25,6 +25,7 @@ from ckptstore.manifest import FileRecord
 from ckptstore.options import StoreOptions
 from ckptstore.pending import PendingCut
 from ckptstore.retention import Policy
+from ckptstore.storage import StorageSpec
 from ckptstore.store import Store
 
 from . import protocol as P
@@ -66,16 +67,12 @@ class Checkpointer:
             self.store, self._owns_store = Store.open(url_or_store, create=True, options=store_options), True
         if self.store.readonly:
             raise UsageError("a Checkpointer needs a store opened for writing", store=self.store.url)
-        spec = self.store.storage.spec()
-        if options.mode == "process" and spec is None:
+        try:
+            spec = self._writer_spec(options)
+        except BaseException:
             if self._owns_store:
                 self.store.close()
-            raise UsageError(
-                "a writer process cannot reach this store: its storage lives in this process (fsspec's "
-                "memory file system, or a Storage object passed to Store.open)", store=self.store.url,
-                hint='use Checkpointer(..., mode="thread") for such stores')
-        if spec is not None and options.mode == "process":
-            spec.check_json()
+            raise
         self._spec = spec
         self._jsonl = JsonLinesFile(options.events_path) if options.events_path else None
         self.events = Emitter(self.store.url, self._fan_out)
@@ -154,6 +151,19 @@ class Checkpointer:
         return self._writer.pid if self._writer is not None else None
 
     # ------------------------------------------------------------------------------------ internals
+    def _writer_spec(self, options: WriterOptions) -> StorageSpec | None:
+        """How the writer process reaches the store; a UsageError when process mode cannot."""
+        spec = self.store.storage.spec()
+        if options.mode != "process":
+            return spec
+        if spec is None:
+            raise UsageError(
+                "a writer process cannot reach this store: its storage lives in this process (fsspec's "
+                "memory file system, or a Storage object passed to Store.open)", store=self.store.url,
+                hint='use Checkpointer(..., mode="thread") for such stores')
+        spec.check_json()
+        return spec
+
     def _fan_out(self, event: dict[str, Any]) -> None:
         if self.options.on_event is not None:
             self.options.on_event(event)

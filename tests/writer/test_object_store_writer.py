@@ -117,3 +117,11 @@ def test_latest_moves_by_compare_and_swap_so_a_stalled_former_writer_cannot_comm
     with ckptstore.Store.open(url, options=options) as c:  # the stalled cut is a leftover, gone on open
         assert c.latest().step == 3 and [x.step for x in c.cuts()] == [1, 3]
         assert c.classify().leftovers == []
+
+
+def test_storage_options_that_cannot_travel_as_json_are_refused_by_name():
+    from ckptstore.storage import StorageSpec
+
+    with pytest.raises(UsageError, match="cannot be sent to the writer process as JSON") as err:
+        StorageSpec("s3://bucket/run", {"client_kwargs": {"config": object()}}).check_json()
+    assert err.value.store == "s3://bucket/run" and 'mode="thread"' in err.value.hint
