@@ -126,11 +126,14 @@ def test_s3_second_writer_gets_store_locked_naming_the_holder(s3_url):
 
 def test_s3_lease_is_renewed_while_the_writer_lives(s3_url):
     url, opts = s3_url
-    options = StoreOptions(storage_options=opts, lease_ttl_s=1.5)
+    # ttl 3 s: the second open below builds a new s3fs client on fsspec's one shared event loop, which
+    # can hold up the first writer's renewal for over a second on a loaded 2-core machine (seen in a
+    # clean-clone CI run with ttl 1.5 s).
+    options = StoreOptions(storage_options=opts, lease_ttl_s=3.0)
     import time
 
     with ckptstore.Store.open(url, create=True, options=options) as first:
-        time.sleep(4.0)  # well past the ttl: only renewals keep the lease fresh
+        time.sleep(7.0)  # well past the ttl: only renewals keep the lease fresh
         with pytest.raises(ckptstore.StoreLocked):
             ckptstore.Store.open(url, options=options)
         first.save(_state(1), step=1)
