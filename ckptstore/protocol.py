@@ -261,7 +261,3 @@ class CommitProtocol:
     def record_bad(self, bad: BadCut) -> None:
         """``bad/<cut>.json``: a committed cut proven damaged, skipped by later fallbacks."""
         self._storage.write_durably(layout.bad_path(bad.cut), bad.to_bytes())
-
-    def lift_bad(self, cut: str) -> None:
-        """Removes a bad record (the cut verified again)."""
-        self._storage.delete(layout.bad_path(cut), durable=True)

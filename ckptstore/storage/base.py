@@ -32,15 +32,12 @@ from ..errors import StorageError, UsageError
 class Capabilities:
     """What a backend can do.
 
-    ``local_paths``: files have OS paths (mmap hashing, flock, ``os.makedirs``). ``atomic_rename``: a
-    durable write goes through a sibling temp file and a rename (POSIX); object stores PUT whole
-    objects instead. ``conditional_writes``: PUT with If-None-Match / If-Match (the writer lease and the
-    compare-and-swap of LATEST). ``other_processes``: another process can reach the same bytes from
+    ``local_paths``: files have OS paths (mmap hashing, flock, ``os.makedirs``). ``conditional_writes``:
+    PUT with If-None-Match / If-Match (the writer lease and the compare-and-swap of LATEST). ``other_processes``: another process can reach the same bytes from
     :meth:`Storage.spec` (false for fsspec's in-memory file system, whose data lives in one process).
     """
 
     local_paths: bool = False
-    atomic_rename: bool = False
     conditional_writes: bool = False
     other_processes: bool = True
 

@@ -22,7 +22,7 @@ from .sink import CHUNK, PosixSink, _AlignedBuffer
 class PosixStorage(Storage):
     """Local directories, with every durability step done explicitly (see the module docstring)."""
 
-    capabilities = Capabilities(local_paths=True, atomic_rename=True)
+    capabilities = Capabilities(local_paths=True)
 
     def __init__(self, root: str, *, use_direct: bool = True, chunk_bytes: int = CHUNK) -> None:
         self.root = os.path.abspath(root)
