@@ -11,7 +11,8 @@ from .manifest import Manifest
 
 @dataclass(frozen=True)
 class CutInfo:
-    """A committed cut. ``nbytes`` counts the stored bytes of its shard files."""
+    """A committed cut. ``nbytes`` counts the stored bytes of its shard files (of every rank);
+    ``world_size`` is the number of ranks whose state it holds (``load(..., rank=r)``)."""
 
     id: str
     step: int
@@ -22,17 +23,26 @@ class CutInfo:
     files: int
     tensors: int
     metadata: dict[str, Any]
+    world_size: int = 1
 
     @classmethod
     def from_manifest(cls, m: Manifest) -> "CutInfo":
         return cls(
             id=m.cut, step=m.step, tags=tuple(m.tags), created_at=datetime.fromisoformat(m.created_at),
             nbytes=m.nbytes, final=m.final, files=len(m.files), tensors=len(m.tensors),
-            metadata=dict(m.metadata),
+            metadata=dict(m.metadata), world_size=m.world_size,
         )
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "CutInfo":
+        """The inverse of :meth:`to_json` (how rank 0 tells the other ranks what it committed)."""
+        return cls(id=d["id"], step=d["step"], tags=tuple(d["tags"]), created_at=datetime.fromisoformat(d["created_at"]),
+                   nbytes=d["nbytes"], final=d["final"], files=d["files"], tensors=d["tensors"],
+                   metadata=dict(d.get("metadata", {})), world_size=d.get("world_size", 1))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.id, "step": self.step, "tags": list(self.tags), "created_at": self.created_at.isoformat(),
             "nbytes": self.nbytes, "final": self.final, "files": self.files, "tensors": self.tensors,
+            "world_size": self.world_size,
         }

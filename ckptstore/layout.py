@@ -6,6 +6,7 @@ A store root looks like this (docs/format.md is the reference)::
     LATEST                         the commit point: JSON naming the committed cut and its manifest hash
     cuts/<cut-id>/MANIFEST.json    a committed cut's manifest (written last, deleted first)
     cuts/<cut-id>/<shard>          shard files of that cut
+    cuts/<cut-id>/rank<r>.json     a rank's "my files are durable" record (cuts of several ranks)
     marks/<cut-id>.json            in-progress mark: who is writing that cut
     bad/<cut-id>.json              a cut that failed verification on load (never tried again)
     .writer.lock, WRITER.json      the single-writer lock and who holds it
@@ -37,8 +38,10 @@ ROOT_ENTRIES = frozenset({STORE_FILE, LATEST_FILE, CUTS_DIR, MARKS_DIR, BAD_DIR,
 
 _CUT_ID = re.compile(r"^step-(\d{12})-([0-9a-f]{8})$")
 _SHARD = re.compile(r"^rank(\d{5})-(\d{5})\.safetensors(\.zst)?$")
+_RANK_RECORD = re.compile(r"^rank(\d{5})\.json$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 MAX_STEP = 10**12 - 1
+MAX_WORLD_SIZE = 10**5  # shard and rank-record names carry the rank in 5 digits
 
 
 def new_cut_id(step: int) -> str:
@@ -75,7 +78,8 @@ def shard_name(rank: int, index: int, *, compressed: bool) -> str:
 
 def is_plain_file_name(name: str) -> bool:
     """True for a plain file name that stays inside its directory (no ``..``, ``/``, NUL, dot-file)."""
-    return isinstance(name, str) and _SAFE_NAME.fullmatch(name) is not None and ".." not in name and name != MANIFEST_FILE
+    return (isinstance(name, str) and _SAFE_NAME.fullmatch(name) is not None and ".." not in name
+            and name != MANIFEST_FILE and not is_rank_record_name(name))
 
 
 def check_file_name(name: str, *, store: str | None = None, cut: str | None = None) -> str:
@@ -88,6 +92,21 @@ def check_file_name(name: str, *, store: str | None = None, cut: str | None = No
 
 def is_shard_name(name: str) -> bool:
     return _SHARD.fullmatch(name) is not None
+
+
+def rank_record_name(rank: int) -> str:
+    """The name of rank ``rank``'s record in a cut directory of several ranks."""
+    if not 0 <= rank < MAX_WORLD_SIZE:
+        raise ValueError(f"rank must be in [0, {MAX_WORLD_SIZE}), got {rank}")
+    return f"rank{rank:05d}.json"
+
+
+def is_rank_record_name(name: str) -> bool:
+    return _RANK_RECORD.fullmatch(name) is not None
+
+
+def rank_record_path(cut_id: str, rank: int) -> str:
+    return f"{CUTS_DIR}/{cut_id}/{rank_record_name(rank)}"
 
 
 def cut_dir(cut_id: str) -> str:

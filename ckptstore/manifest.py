@@ -1,8 +1,14 @@
 """The manifest of a cut: every file and tensor with its blake3, the step, tags and who wrote it.
 
 ``MANIFEST.json`` is written last when a cut is saved and deleted first when it is pruned, so a manifest
-never names data that is gone. Several ranks' shards fit in one manifest (``FileRecord.rank``); the
-writer of rank 0 (the coordinator) publishes it once every rank's files are durable.
+never names data that is gone.
+
+A cut of several ranks (``world_size`` > 1) is ``format_version`` 3: every rank's files and arrays are
+listed (``FileRecord.rank``; array names are unique per rank) and ``tree`` is
+``{"t": "ranks", "ranks": [tree of rank 0, tree of rank 1, ...]}``. Each rank first publishes a
+:class:`RankRecord` (its files, arrays and tree) beside its shards; rank 0 (the coordinator) reads them
+all and publishes the manifest once every rank's record is durable. :meth:`Manifest.for_rank` is one
+rank's part as an ordinary manifest, which is what loaders read.
 """
 
 from __future__ import annotations
@@ -105,23 +111,48 @@ def check_tensor(t: TensorRecord, itemsizes: dict[tuple[str, str], int] | None =
         raise ValueError(f"tensor {t.name!r}: {t.dtype}{shape} needs {need} bytes, not {t.nbytes}")
 
 
+def _check_arrays(files: list[FileRecord], tensors: list[TensorRecord]) -> None:
+    """Every array lies inside a file of its rank, names are unique per rank, sizes agree."""
+    by_name = {f.name: f for f in files}
+    if len(by_name) != len(files):
+        raise ValueError("duplicate file names")
+    names: set[tuple[int, str]] = set()
+    itemsizes: dict[tuple[str, str], int] = {}
+    for t in tensors:
+        rec = by_name.get(t.file)
+        if rec is None:
+            raise ValueError(f"tensor {t.name!r} names unknown file {t.file!r}")
+        key = (rec.rank, t.name)
+        if key in names:
+            raise ValueError(f"duplicate tensor name {t.name!r}" + (f" in rank {rec.rank}" if rec.rank else ""))
+        names.add(key)
+        if t.offset + t.nbytes > rec.raw_nbytes:
+            raise ValueError(f"tensor {t.name!r} lies past the end of {t.file!r}")
+        check_tensor(t, itemsizes)
+
+
+#: The manifest format of a cut of several ranks.
+RANKS_FORMAT_VERSION = 3
+
+
 class Manifest(StrictModel):
-    """A cut's manifest. New manifests are ``format_version`` 2; version 1 manifests (plain file
-    hashes, pretty-printed JSON) still read, verify and load as they always did."""
+    """A cut's manifest. New manifests of one rank are ``format_version`` 2, of several ranks 3;
+    version 1 manifests (plain file hashes, pretty-printed JSON) still read, verify and load as they
+    always did. Versions 2 and 3 hash files the same way."""
 
     KIND = "ckptstore.manifest"
     FORMAT_VERSION: ClassVar[int] = 2
-    READ_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)
+    READ_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)
 
     kind: Literal["ckptstore.manifest"] = "ckptstore.manifest"
-    format_version: Literal[1, 2] = 2
+    format_version: Literal[1, 2, 3] = 2
     cut: CutId
     step: int = Field(ge=0, le=layout.MAX_STEP)
     tags: list[str] = Field(default_factory=list)
     final: bool = False
     created_at: str
     writer: WriterIdentity
-    world_size: int = Field(default=1, ge=1)
+    world_size: int = Field(default=1, ge=1, le=layout.MAX_WORLD_SIZE)
     metadata: dict[str, Any] = Field(default_factory=dict)
     files: list[FileRecord]
     tensors: list[TensorRecord]
@@ -138,21 +169,39 @@ class Manifest(StrictModel):
     def _references(self) -> "Manifest":
         if layout.step_of_cut_id(self.cut) != self.step:
             raise ValueError(f"cut id {self.cut} does not match step {self.step}")
-        files = {f.name: f for f in self.files}
-        if len(files) != len(self.files):
-            raise ValueError("duplicate file names")
-        names = set()
-        itemsizes: dict[tuple[str, str], int] = {}
-        for t in self.tensors:
-            if t.file not in files:
-                raise ValueError(f"tensor {t.name!r} names unknown file {t.file!r}")
-            if t.name in names:
-                raise ValueError(f"duplicate tensor name {t.name!r}")
-            names.add(t.name)
-            if t.offset + t.nbytes > files[t.file].raw_nbytes:
-                raise ValueError(f"tensor {t.name!r} lies past the end of {t.file!r}")
-            check_tensor(t, itemsizes)
+        if self.format_version < RANKS_FORMAT_VERSION:
+            if self.world_size != 1:
+                raise ValueError(f"world_size {self.world_size} needs format_version {RANKS_FORMAT_VERSION}")
+        else:
+            ranks = self.tree.get("ranks")
+            if self.tree.get("t") != "ranks" or not isinstance(ranks, list) or len(ranks) != self.world_size:
+                raise ValueError(f"a cut of {self.world_size} ranks needs a tree of kind 'ranks' with one tree per rank")
+            if not all(isinstance(r, dict) for r in ranks):
+                raise ValueError("every rank's tree must be an object")
+        for f in self.files:
+            if f.rank >= self.world_size:
+                raise ValueError(f"file {f.name!r} belongs to rank {f.rank}, outside world size {self.world_size}")
+        _check_arrays(self.files, self.tensors)
         return self
+
+    def for_rank(self, rank: int) -> "Manifest":
+        """Rank ``rank``'s part as a manifest of its own (its files, arrays and tree): what loaders and
+        exporters read. A cut of one rank is its own part 0. Raises ValueError for a rank outside the
+        cut's world size."""
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank!r} is outside the cut's world size {self.world_size}")
+        if self.format_version < RANKS_FORMAT_VERSION:
+            return self
+        files = [f for f in self.files if f.rank == rank]
+        names = {f.name for f in files}
+        tensors = [t for t in self.tensors if t.file in names]
+        return self.model_copy(update={"files": files, "tensors": tensors, "tree": self.tree["ranks"][rank]})
+
+    def rank_trees(self) -> list[tuple[int, dict[str, Any]]]:
+        """(rank, tree) of every rank."""
+        if self.format_version < RANKS_FORMAT_VERSION:
+            return [(0, self.tree)]
+        return list(enumerate(self.tree["ranks"]))
 
     def to_bytes(self) -> bytes:
         """Version 2: compact JSON (the C encoder; ``indent`` would force the pure-Python one, half a
@@ -174,4 +223,36 @@ class Manifest(StrictModel):
         return {t.name: t for t in self.tensors}
 
 
-__all__ = ["Manifest", "FileRecord", "TensorRecord", "WriterIdentity", "ST_ITEMSIZE", "check_tensor"]
+class RankRecord(StrictModel):
+    """Rank ``rank``'s part of a cut of several ranks, written durably beside its shards once they are
+    durable (``cuts/<cut>/rank<r>.json``): the "my files are written" record of the storage-side
+    two-phase commit. The coordinator commits the cut once all ``world_size`` records are there;
+    until then the cut is in progress (marked) and its records commit nothing."""
+
+    KIND = "ckptstore.rank"
+
+    kind: Literal["ckptstore.rank"] = "ckptstore.rank"
+    format_version: Literal[1] = 1
+    cut: CutId
+    step: int = Field(ge=0, le=layout.MAX_STEP)
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1, le=layout.MAX_WORLD_SIZE)
+    created_at: str
+    writer: WriterIdentity
+    files: list[FileRecord]
+    tensors: list[TensorRecord]
+    tree: dict[str, Any]
+    pickled: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RankRecord":
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        for f in self.files:
+            if f.rank != self.rank:
+                raise ValueError(f"file {f.name!r} belongs to rank {f.rank}, not {self.rank}")
+        _check_arrays(self.files, self.tensors)
+        return self
+
+
+__all__ = ["Manifest", "RankRecord", "RANKS_FORMAT_VERSION", "FileRecord", "TensorRecord", "WriterIdentity", "ST_ITEMSIZE", "check_tensor"]

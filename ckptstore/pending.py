@@ -11,8 +11,10 @@ uncommitted cut. States::
       +--------+------------+-> abandoned      (committing -> abandoned only when LATEST surely
                             +-> unknown         does not name the cut; unknown: the next open decides)
 
-Any other transition raises ``UsageError``. The files of a cut are recorded per rank, so a coordinator
-can commit the records of several ranks in one manifest.
+Any other transition raises ``UsageError``. The files of a cut are recorded per rank. In a cut of
+several ranks every rank writes its share through a :class:`RankPart` (shards, then its durable rank
+record), and the coordinator's ``PendingCut`` reads all records (``collect_ranks``) and commits them in
+one manifest.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import hashing, layout
 from .arrays import ArrayItem
-from .errors import StorageError, StoreLocked, UsageError
+from .errors import CkptStoreError, CorruptCut, StorageError, StoreLocked, UsageError
 from .gcpause import pausing
 from .ident import host_identity
 from .info import CutInfo
-from .manifest import FileRecord, Manifest, TensorRecord, WriterIdentity
+from .manifest import RANKS_FORMAT_VERSION, FileRecord, Manifest, RankRecord, TensorRecord, WriterIdentity
 from .protocol import CommitProtocol, CommitUnknown, now_iso
 from .shards import Codec, write_shards
 from .version import __version__
@@ -46,14 +48,16 @@ class PendingCut:
     """A marked cut of this writer's. Made by ``Store.begin_cut``; not thread-safe (one driver)."""
 
     def __init__(self, protocol: CommitProtocol, storage: "Storage", cut: str, step: int, writer: str,
-                 on_end: Callable[["PendingCut"], None]) -> None:
+                 on_end: Callable[["PendingCut"], None], world_size: int = 1) -> None:
         self._protocol = protocol
         self._storage = storage
         self.id = cut
         self.step = step
         self.writer = writer
+        self.world_size = world_size
         self.state = OPEN
         self._files: dict[int, tuple[list[FileRecord], list[TensorRecord]]] = {}
+        self._trees: dict[int, tuple[dict[str, Any], bool]] = {}
         self._on_end = on_end
 
     def __repr__(self) -> str:
@@ -86,6 +90,30 @@ class PendingCut:
             raise UsageError(f"file records of cut {self.id} name another rank than {rank}", cut=self.id)
         self._files[rank] = (list(files), list(tensors))
 
+    def missing_ranks(self) -> list[int]:
+        """Ranks whose record is not (yet) in the cut's directory."""
+        self._require(OPEN, "look for rank records")
+        have = self._protocol.ranks_published(self.id)
+        return [r for r in range(self.world_size) if r not in have]
+
+    def collect_ranks(self) -> None:
+        """Reads every rank's record (cuts of several ranks) and records their files and trees. Raises
+        ``CkptStoreError`` naming the ranks whose record is missing, and ``CorruptCut`` for a record
+        that does not belong to this cut."""
+        self._require(OPEN, "collect rank records")
+        missing = self.missing_ranks()
+        if missing:
+            raise CkptStoreError(f"rank(s) {missing} have not published their files of cut {self.id}",
+                                 store=self._protocol.url, cut=self.id)
+        for rank in range(self.world_size):
+            rec = self._protocol.read_rank(self.id, rank)
+            if (rec.cut, rec.step, rec.rank, rec.world_size) != (self.id, self.step, rank, self.world_size):
+                raise CorruptCut(f"rank record names cut {rec.cut} step {rec.step} rank {rec.rank} of "
+                                 f"{rec.world_size}, expected rank {rank} of {self.world_size}",
+                                 store=self._protocol.url, cut=self.id, path=layout.rank_record_path(self.id, rank))
+            self._files[rank] = (list(rec.files), list(rec.tensors))
+            self._trees[rank] = (rec.tree, rec.pickled)
+
     def discard_files(self) -> None:
         """Drops the files written so far (a writer process died mid-cut), keeping the cut marked, so
         the same cut can be written again from the same memory."""
@@ -101,19 +129,30 @@ class PendingCut:
 
     # outcome -----------------------------------------------------------------------------------------
     @pausing
-    def commit(self, *, tree: dict[str, Any], pickled: bool = False, tags: Sequence[str] = (), final: bool = False,
-               metadata: dict[str, Any] | None = None, mode: str = "sync") -> CutInfo:
+    def commit(self, *, tree: dict[str, Any] | None = None, pickled: bool = False, tags: Sequence[str] = (),
+               final: bool = False, metadata: dict[str, Any] | None = None, mode: str = "sync") -> CutInfo:
         """Publishes the manifest and moves LATEST: returns once the cut is committed durably. On a
         failure before the commit point the cut is abandoned; when LATEST may have moved the cut is
-        left to recovery (state "unknown"); either way the error is raised."""
+        left to recovery (state "unknown"); either way the error is raised. A cut of one rank passes
+        its ``tree``; a cut of several takes every rank's tree from the collected records."""
         self._require(WRITTEN, "commit")
         files = [f for rank in sorted(self._files) for f in self._files[rank][0]]
         tensors = [t for rank in sorted(self._files) for t in self._files[rank][1]]
         ident = host_identity()
+        extra: dict[str, Any] = {}
+        if self.world_size > 1:
+            if tree is not None or len(self._trees) != self.world_size:
+                raise UsageError(f"cut {self.id} of {self.world_size} ranks commits the trees of its collected "
+                                 "rank records", store=self._protocol.url, cut=self.id)
+            tree = {"t": "ranks", "ranks": [self._trees[r][0] for r in range(self.world_size)]}
+            pickled = any(p for _, p in self._trees.values())
+            extra = {"format_version": RANKS_FORMAT_VERSION, "world_size": self.world_size}
+        elif tree is None:
+            raise UsageError(f"committing cut {self.id} needs its tree", store=self._protocol.url, cut=self.id)
         manifest = Manifest(
             cut=self.id, step=self.step, tags=list(tags), final=final, created_at=now_iso(),
             writer=WriterIdentity(host=ident.host, pid=ident.pid, ckptstore_version=__version__, mode=mode),
-            metadata=dict(metadata or {}), files=files, tensors=tensors, tree=tree, pickled=pickled,
+            metadata=dict(metadata or {}), files=files, tensors=tensors, tree=tree, pickled=pickled, **extra,
         )
         self._move(COMMITTING)
         try:
@@ -157,4 +196,46 @@ class PendingCut:
             raise UsageError(f"cannot {what}: cut {self.id} is {self.state}", store=self._protocol.url, cut=self.id)
 
 
-__all__ = ["PendingCut"]
+class RankPart:
+    """One rank's share of a cut of several ranks that the coordinator marked: its shards, then its
+    durable record (``cuts/<cut>/rank<r>.json``). Holds no lock and commits nothing: any process that
+    can reach the storage (a rank, its writer process) can write one."""
+
+    def __init__(self, protocol: CommitProtocol, storage: "Storage", cut: str, step: int, rank: int,
+                 world_size: int) -> None:
+        self._protocol = protocol
+        self._storage = storage
+        self.id = cut
+        self.step = step
+        self.rank = rank
+        self.world_size = world_size
+        self.published = False
+
+    def __repr__(self) -> str:
+        return f"RankPart({self.id!r}, rank {self.rank} of {self.world_size})"
+
+    def write(self, items: Sequence[ArrayItem], *, tree: dict[str, Any], pickled: bool, codec: Codec,
+              max_shard_bytes: int, timings: dict[str, float] | None = None,
+              hash_threads: int = hashing.AUTO) -> RankRecord:
+        """Writes ``items`` as this rank's shards (durable on return) and publishes the record."""
+        files, tensors = write_shards(self._storage, self.id, self.rank, items, codec=codec,
+                                      max_shard_bytes=max_shard_bytes, timings=timings, hash_threads=hash_threads,
+                                      on_shard=lambda: self._protocol.phase("shard-written", self.id))
+        return self.publish(files, tensors, tree=tree, pickled=pickled)
+
+    def publish(self, files: list[FileRecord], tensors: list[TensorRecord], *, tree: dict[str, Any],
+                pickled: bool, mode: str = "sync") -> RankRecord:
+        """Makes the names of this rank's (fsynced) files durable, then writes its record durably."""
+        if self.published:
+            raise UsageError(f"rank {self.rank} already published its part of cut {self.id}", cut=self.id)
+        self._protocol.files_durable(self.id)
+        ident = host_identity()
+        record = RankRecord(cut=self.id, step=self.step, rank=self.rank, world_size=self.world_size,
+                            created_at=now_iso(), files=list(files), tensors=list(tensors), tree=tree, pickled=pickled,
+                            writer=WriterIdentity(host=ident.host, pid=ident.pid, ckptstore_version=__version__, mode=mode))
+        self._protocol.publish_rank(record)
+        self.published = True
+        return record
+
+
+__all__ = ["PendingCut", "RankPart"]

@@ -12,6 +12,12 @@ Save, in this order (each step durable before the next starts)::
                   first: the cut LATEST names now loses its stale mark, durably, if it still has one
     6. unmark     marks/<cut>.json removed, marks/ fsynced   (phase "mark-removed"); best effort
 
+A cut of several ranks (docs/design.md, "Several ranks"): rank 0 (the coordinator) does step 1; every
+rank does steps 2 and 3 for its own shards and then writes ``cuts/<cut>/rank<r>.json`` durably (phase
+"rank-written"), naming its files with their digests; the coordinator reads every rank's record and
+does steps 4 to 6. Until the manifest and LATEST exist the records commit nothing: a cut missing a
+rank's record is never committed, and ``gc`` removes it like any other in-progress cut.
+
 Invariant: a cut is committed iff it has a valid manifest and either no mark or LATEST names it.
 
 Rule M (what makes the invariant safe against a single fault after the commit point): **LATEST never
@@ -50,7 +56,7 @@ from . import hashing, layout
 from .errors import CkptStoreError, DataError, StorageError, StoreLocked
 from .ident import host_identity
 from .latest import Pointer
-from .manifest import Manifest
+from .manifest import Manifest, RankRecord
 from .marks import BadCut, Mark
 from .storage import ConditionFailed, Storage
 
@@ -104,6 +110,21 @@ class CommitProtocol:
         """Step 3: the names of the cut's files are durable before a manifest names them."""
         self._storage.sync_dir(layout.cut_dir(cut))
         self.phase("shards-synced", cut)
+
+    def publish_rank(self, record: RankRecord) -> None:
+        """Step 3b (cuts of several ranks): a rank's record, durably, once its shards and their names
+        are durable. Any rank may do this; it changes no committed state."""
+        self._storage.write_durably(layout.rank_record_path(record.cut, record.rank), record.to_bytes())
+        self.phase("rank-written", record.cut)
+
+    def ranks_published(self, cut: str) -> set[int]:
+        """The ranks whose record is in the cut's directory now."""
+        return {int(e.name[4:9]) for e in self._storage.list_dir(layout.cut_dir(cut))
+                if not e.is_dir and layout.is_rank_record_name(e.name)}
+
+    def read_rank(self, cut: str, rank: int) -> RankRecord:
+        path = layout.rank_record_path(cut, rank)
+        return RankRecord.from_bytes(self._storage.read_bytes(path), store=self.url, cut=cut, path=path)
 
     def write_manifest(self, manifest: Manifest) -> str:
         """Step 4: publishes the manifest; returns the blake3 of its bytes for LATEST."""
@@ -238,7 +259,8 @@ class CommitProtocol:
         d = layout.cut_dir(cut)
         foreign = []
         for entry in self._storage.list_dir(d):
-            if entry.is_dir or not (layout.is_shard_name(entry.name) or layout.is_tmp_name(entry.name)):
+            ours = layout.is_shard_name(entry.name) or layout.is_rank_record_name(entry.name) or layout.is_tmp_name(entry.name)
+            if entry.is_dir or not ours:
                 foreign.append(f"{d}/{entry.name}")
                 continue
             self._storage.delete(f"{d}/{entry.name}", durable=False)

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from . import hashing, layout
 from .arrays import describe
 from .errors import (
+    CkptStoreError,
     CorruptCut,
     CutNotFound,
     HostileInput,
@@ -37,8 +38,9 @@ from .lock import WriterLock
 from .manifest import Manifest
 from .marks import BadCut
 from .options import StoreOptions
-from .pending import PendingCut
+from .pending import PendingCut, RankPart
 from .protocol import CommitProtocol, now_iso
+from .ranks import DEFAULT_RANK_TIMEOUT, RankFailure, RankGroup, check_all_ok, outcome
 from .recovery import Classification, Leftover, ManifestCache, classify, scan
 from .retention import Policy, hard_keeps
 from .selection import CutSelector, choose_cut, latest_manifest, raise_io_errors, select_manifest
@@ -80,6 +82,11 @@ class Store:
         self._in_flight: dict[str, PendingCut] = {}
         self._manifests: ManifestCache = {}
         self._closed = False
+        #: The ranks this handle takes cuts with (``Store.open(..., group=)``), None for one process.
+        self.ranks: RankGroup | None = None
+        #: True on ranks other than 0 of a group: they write their part of each cut; rank 0 holds the
+        #: writer lock and commits.
+        self.participant = False
 
     # ------------------------------------------------------------------------------------------ open
     @classmethod
@@ -90,6 +97,8 @@ class Store:
         create: bool = False,
         readonly: bool = False,
         options: StoreOptions | None = None,
+        group: Any = None,
+        rank_timeout: float | None = None,
     ) -> "Store":
         """Opens the store at ``url`` (a path, an fsspec URL, or a :class:`~ckptstore.storage.Storage`).
 
@@ -97,7 +106,19 @@ class Store:
         recovers: leftovers of interrupted saves and prunes are removed, a stale mark beside a committed
         cut is cleared. A store whose LATEST is missing or broken while committed cuts exist is not
         reset: opening it raises ``LatestError`` that says to run ``ckptstore repair``.
+
+        ``group`` (a torch.distributed process group) makes the handle one of several ranks taking
+        cuts together: the open is collective over the group (every rank passes the same ``url``),
+        rank 0 holds the writer lock and recovers, the other ranks join as participants, and ``save``
+        is collective. ``rank_timeout`` (seconds, default 300) bounds how long a rank waits for one
+        that shows no sign of life (:mod:`ckptstore.ranks`). ``group=None`` is one process, also when
+        torch.distributed is initialized.
         """
+        if group is not None:
+            return cls._open_group(url, group=group, rank_timeout=rank_timeout, create=create, readonly=readonly,
+                                   options=options)
+        if rank_timeout is not None:
+            raise UsageError("rank_timeout goes with group=", store=str(url))
         store = cls._open(url, create=create, readonly=readonly, options=options)
         if not readonly:
             try:
@@ -106,6 +127,60 @@ class Store:
                 store.close()
                 raise
         return store
+
+    @classmethod
+    def _open_group(cls, url: str | Storage, *, group: Any, rank_timeout: float | None, create: bool, readonly: bool,
+                    options: StoreOptions | None) -> "Store":
+        name = url.url if isinstance(url, Storage) else str(url)
+        ranks = RankGroup(group, rank_timeout=DEFAULT_RANK_TIMEOUT if rank_timeout is None else rank_timeout,
+                          namespace=hashing.digest(name.encode())[:16])
+        where = {"store": name}
+        store: Store | None = None
+        try:
+            if ranks.size == 1:
+                ranks.close()
+                return cls.open(url, create=create, readonly=readonly, options=options)
+            if readonly:
+                err: BaseException | None = None
+                try:
+                    store = cls.open(url, readonly=True, options=options)
+                except BaseException as exc:  # noqa: BLE001 - every rank hears of it below
+                    err = exc
+                msgs = ranks.exchange("open", outcome(err), **where)
+                if err is not None:
+                    raise err
+                check_all_ok(msgs, "opening the store", **where)
+            else:
+                err = None
+                if ranks.rank == 0:
+                    try:
+                        store = cls.open(url, create=create, options=options)
+                    except BaseException as exc:  # noqa: BLE001
+                        err = exc
+                first = ranks.exchange("open-writer", outcome(err), senders=[0], **where)[0]
+                if err is not None:
+                    raise err
+                if not first["ok"]:
+                    raise RankFailure(f"rank 0 could not open the store as its writer: {first['error']}", ranks=[0],
+                                      **where)
+                if ranks.rank != 0:
+                    try:
+                        store = cls._open(url, create=False, readonly=True, options=options)
+                        store.readonly, store.participant = False, True
+                    except BaseException as exc:  # noqa: BLE001
+                        err = exc
+                msgs = ranks.exchange("open-participants", outcome(err), **where)
+                if err is not None:
+                    raise err
+                check_all_ok(msgs, "joining the store", **where)
+            assert store is not None
+            store.ranks = ranks
+            return store
+        except BaseException:
+            if store is not None:
+                store.close()
+            ranks.close()
+            raise
 
     @classmethod
     def _open(cls, url: str | Storage, *, create: bool, readonly: bool, options: StoreOptions | None) -> "Store":
@@ -150,10 +225,13 @@ class Store:
             self.events.emit("recovered", cut=lo.cut, kind=lo.kind, paths=lo.paths)
 
     def close(self) -> None:
-        """Releases the writer lock. Idempotent."""
+        """Releases the writer lock. Idempotent. Not collective: each rank closes its own handle."""
         if not self._closed:
             self._closed = True
-            self._lock.release()
+            if self.ranks is not None:
+                self.ranks.close()
+            if not self.participant:
+                self._lock.release()
 
     def __enter__(self) -> "Store":
         return self
@@ -162,13 +240,22 @@ class Store:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Store({self.url!r}, {'readonly' if self.readonly else 'writer'})"
+        role = "readonly" if self.readonly else "participant" if self.participant else "writer"
+        if self.ranks is not None:
+            role += f", rank {self.ranks.rank} of {self.ranks.size}"
+        return f"Store({self.url!r}, {role})"
 
-    def _require_writer(self, what: str) -> None:
+    def _require_writer(self, what: str, *, participant_ok: bool = False) -> None:
         if self._closed:
             raise UsageError(f"{what} on a closed store", store=self.url)
         if self.readonly:
             raise UsageError(f"{what} needs a writer; this store was opened readonly", store=self.url)
+        if self.participant:
+            if participant_ok:
+                return
+            assert self.ranks is not None
+            raise UsageError(f"{what} is rank 0's job: rank {self.ranks.rank} takes part in cuts but does not hold "
+                             "the writer lock", store=self.url)
         self._lock.ensure_held()
 
     # ----------------------------------------------------------------------------------------- reads
@@ -200,6 +287,7 @@ class Store:
         keys: Sequence[str] | None = None,
         allow_pickle: bool = False,
         fallback: bool = False,
+        rank: int | None = None,
     ) -> Any:
         """The state saved in a committed cut (see :func:`ckptstore.load`)."""
         if fallback and cut == "latest":
@@ -207,7 +295,7 @@ class Store:
             if info is None:
                 raise CutNotFound("the store has no committed cut yet", store=self.url)
             cut = info.id
-        m = self.manifest(cut)
+        m = rank_part(self.manifest(cut), rank, self.url)
         if m.pickled and not allow_pickle:
             raise HostileInput("cut holds pickled values; pass allow_pickle=True only if you trust it",
                                store=self.url, cut=m.cut)
@@ -235,18 +323,20 @@ class Store:
         """How this store's shards are encoded (the one source of shard settings)."""
         return Codec("zstd", self.options.zstd_level) if self.options.compression == "zstd" else Codec()
 
-    def begin_cut(self, step: int, *, writer: str = "store.save", cut: str | None = None) -> PendingCut:
+    def begin_cut(self, step: int, *, writer: str = "store.save", cut: str | None = None,
+                  world_size: int = 1) -> PendingCut:
         """Marks a new cut at ``step`` in flight and returns its lifecycle object (writers only).
 
         ``step`` must be above the committed LATEST step (``StepConflict`` otherwise: re-saving an
-        old step would silently roll LATEST back). ``cut`` fixes the id (default: a fresh one)."""
+        old step would silently roll LATEST back). ``cut`` fixes the id (default: a fresh one).
+        ``world_size`` > 1: a cut of that many ranks, committed from their records (``collect_ranks``)."""
         self._require_writer("begin_cut")
         self._check_step(step)
         if cut is None:
             cut = layout.new_cut_id(step)
         elif layout.check_cut_id(cut, store=self.url) and layout.step_of_cut_id(cut) != step:
             raise UsageError(f"cut id {cut} does not match step {step}", store=self.url, cut=cut)
-        pending = PendingCut(self._protocol, self.storage, cut, step, writer, on_end=self._ended)
+        pending = PendingCut(self._protocol, self.storage, cut, step, writer, on_end=self._ended, world_size=world_size)
         self._in_flight[cut] = pending
         try:
             self._protocol.mark(cut, step, writer)
@@ -258,6 +348,14 @@ class Store:
 
     def _ended(self, pending: PendingCut) -> None:
         self._in_flight.pop(pending.id, None)
+
+    def rank_part(self, cut: str, step: int) -> RankPart:
+        """This rank's share of cut ``cut`` that rank 0 marked (stores opened with ``group=``)."""
+        self._require_writer("writing a rank's part", participant_ok=True)
+        if self.ranks is None:
+            raise UsageError("rank parts belong to stores opened with group=", store=self.url)
+        layout.check_cut_id(cut, store=self.url)
+        return RankPart(self._protocol, self.storage, cut, step, self.ranks.rank, self.ranks.size)
 
     @pausing
     def save(
@@ -274,7 +372,15 @@ class Store:
 
         ``step`` must be above the committed LATEST step (``StepConflict`` otherwise). Values that
         need pickle are refused unless ``allow_pickle`` is passed.
+
+        On a store opened with ``group=`` it is collective: every rank passes its own ``state`` and
+        the same ``step``, tags and flags; one cut holds every rank's state, committed by rank 0 once
+        all ranks' files are durable. Any rank's failure leaves LATEST where it was and raises on
+        every rank (``RankFailure`` naming the ranks that failed, on the others).
         """
+        if self.ranks is not None:
+            return self._save_ranks(state, step=step, tags=tags, final=final, metadata=metadata,
+                                    allow_pickle=allow_pickle)
         self._require_writer("save")
         _check_cut_fields(tags, metadata, self.url)
         t0 = time.perf_counter()
@@ -302,6 +408,91 @@ class Store:
             timings={"flatten": t_flat - t0, "write": t_write - t_flat, "commit": t_end - t_write, "total": t_end - t0},
             writer_mode="sync",
         )
+        return info
+
+    def _save_ranks(self, state: Any, *, step: int, tags: Sequence[str], final: bool,
+                    metadata: dict[str, Any] | None, allow_pickle: bool) -> CutInfo:
+        """``save`` over a group: prepare (everywhere) -> mark (rank 0) -> write parts (everywhere)
+        -> commit (rank 0); one exchange after each, so every rank learns every outcome."""
+        ranks = self.ranks
+        assert ranks is not None
+        self._require_writer("save", participant_ok=True)
+        t0 = time.perf_counter()
+        where: dict[str, Any] = {"store": self.url}
+        err: BaseException | None = None
+        tree: dict[str, Any] = {}
+        items: list[Any] = []
+        pickled = False
+        try:
+            _check_cut_fields(tags, metadata, self.url)
+            tree, leaves = flatten(state, allow_pickle=allow_pickle)
+            items = [describe(leaf) for leaf in leaves]
+            pickled = allow_pickle and has_pickle(tree)
+        except BaseException as exc:  # noqa: BLE001 - every rank hears of it in the exchange
+            err = exc
+        msgs = ranks.exchange("save-prepare", {**outcome(err), "step": step, "final": bool(final)}, **where)
+        if err is not None:
+            raise err
+        _check_same(msgs, ("step", "final"), "save", where)
+        check_all_ok(msgs, f"preparing the cut of step {step}", **where)
+
+        pending: PendingCut | None = None
+        try:
+            if ranks.rank == 0:
+                try:
+                    pending = self.begin_cut(step, writer="store.save", world_size=ranks.size)
+                except BaseException as exc:  # noqa: BLE001
+                    err = exc
+            begun = ranks.exchange("save-begin", {**outcome(err), "cut": pending.id if pending else None},
+                                   senders=[0], **where)[0]
+            if err is not None:
+                raise err
+            if not begun["ok"]:
+                raise RankFailure(f"rank 0 could not begin the cut of step {step}: {begun['error']}", ranks=[0], **where)
+            cut = begun["cut"]
+            where["cut"] = cut
+            try:
+                with ranks.busy():
+                    self.rank_part(cut, step).write(items, tree=tree, pickled=pickled, codec=self.shard_codec(),
+                                                    max_shard_bytes=self.options.max_shard_bytes)
+            except BaseException as exc:  # noqa: BLE001
+                err = exc
+            msgs = ranks.exchange("save-written", outcome(err), **where)
+            if err is not None:
+                raise err
+            check_all_ok(msgs, f"writing cut {cut}", **where)
+            t_write = time.perf_counter()
+            info: CutInfo | None = None
+            if pending is not None:
+                try:
+                    with ranks.busy():
+                        pending.collect_ranks()
+                        pending.files_durable()
+                        info = pending.commit(tags=tags, final=final, metadata=metadata, mode="sync")
+                except BaseException as exc:  # noqa: BLE001
+                    err = exc
+            done = ranks.exchange(
+                "save-commit", {**outcome(err), "info": {**info.to_json(), "metadata": info.metadata} if info else None,
+                                "unknown": pending is not None and pending.state == "unknown"},
+                senders=[0], **where)[0]
+            if err is not None:
+                raise err
+            if not done["ok"]:
+                state_note = ("LATEST may name it: the next writer open decides" if done.get("unknown")
+                              else "LATEST was left where it was")
+                raise RankFailure(f"rank 0 could not commit cut {cut} ({state_note}): {done['error']}", ranks=[0], **where)
+        except BaseException as exc:
+            if pending is not None:
+                pending.abandon()  # a no-op once committed or left to recovery
+            self.events.emit("failed", cut=where.get("cut"), step=step, error=str(exc), error_type=type(exc).__name__,
+                             rank=ranks.rank)
+            if isinstance(exc, RankFailure) and "save-commit" in exc.message:
+                exc.message += f"; cut {where.get('cut')} may or may not be committed: the next writer open decides"
+            raise
+        info = info if info is not None else CutInfo.from_json(done["info"])
+        self.events.emit("committed", cut=info.id, step=step, bytes=info.nbytes, tensors=info.tensors,
+                         files=info.files, rank=ranks.rank, world_size=ranks.size, writer_mode="sync",
+                         timings={"write": t_write - t0, "total": time.perf_counter() - t0})
         return info
 
     def _check_step(self, step: int) -> None:
@@ -414,6 +605,31 @@ class Store:
             log.warning("ckptstore: could not record bad cut %s of %s: %s", cut, self.url, exc)
 
 
+def rank_part(m: Manifest, rank: int | None, url: str) -> Manifest:
+    """Rank ``rank``'s part of a cut (a cut of one rank is its own part 0); a ``UsageError`` that names
+    the cut's world size when ``rank`` is missing for a cut of several ranks, or outside it."""
+    if rank is None:
+        if m.world_size > 1:
+            raise UsageError(f"cut {m.cut} holds the state of {m.world_size} ranks (world size {m.world_size}); "
+                             f"pass rank= (0 to {m.world_size - 1}) to load one", store=url, cut=m.cut)
+        return m
+    try:
+        return m.for_rank(rank)
+    except ValueError as exc:
+        raise UsageError(str(exc), store=url, cut=m.cut) from None
+
+
+def _check_same(msgs: list[Any], fields: Sequence[str], what: str, where: dict[str, Any]) -> None:
+    """Every rank passed the same values to a collective call (else all raise, naming the odd ranks)."""
+    for name in fields:
+        values = [m.get(name) if isinstance(m, dict) else None for m in msgs]
+        odd = [r for r, v in enumerate(values) if v != values[0]]
+        if odd:
+            got = ", ".join(f"rank {r}: {values[r]!r}" for r in [0, *odd])
+            raise RankFailure(f"ranks called {what} with different {name} ({got}); every rank must make the "
+                              "same collective calls", ranks=odd, **where)
+
+
 def _check_cut_fields(tags: Sequence[str], metadata: dict[str, Any] | None, url: str) -> None:
     if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags):
         raise UsageError(f"tags must be a sequence of non-empty strings, got {tags!r}", store=url)
@@ -438,8 +654,13 @@ def load(
     allow_pickle: bool = False,
     fallback: bool = False,
     storage_options: dict[str, Any] | None = None,
+    rank: int | None = None,
 ) -> Any:
     """Loads a committed cut: "latest" (default), a cut id, or an int step.
+
+    A cut of several ranks (saved with ``group=``) holds one state per rank: ``rank=r`` loads rank r's
+    (``keys`` then selects among its keys); without ``rank`` such a cut raises ``UsageError`` naming
+    its world size. A rank's DTensors load as their local shards (plain tensors).
 
     Every byte read is checked against the manifest's blake3 (``verify=False`` skips the hashes but
     never the size and header checks); a damaged or torn cut raises rather than returning. ``keys``
@@ -448,7 +669,8 @@ def load(
     newest cut that verifies, logs what it skipped and why, and records the bad cuts so no restart tries
     them again.
     """
-    kw = dict(map_location=map_location, verify=verify, keys=keys, allow_pickle=allow_pickle, fallback=fallback)
+    kw = dict(map_location=map_location, verify=verify, keys=keys, allow_pickle=allow_pickle, fallback=fallback,
+              rank=rank)
     if isinstance(url, Store):
         return url.load(cut, **kw)  # type: ignore[arg-type]
     with Store.open(url, readonly=True, options=StoreOptions(storage_options=storage_options)) as store:

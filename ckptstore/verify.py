@@ -128,12 +128,15 @@ def verify_file(storage: Storage, m: Manifest, rec: FileRecord, progress: Progre
 def tree_problem(m: Manifest) -> str | None:
     """Why a manifest's tree could not be loaded (names no recorded array, or holds a pickle the
     manifest does not declare), or None. Checked without loading anything."""
-    names = set(leaf_names(m.tree))
-    unknown = names - {t.name for t in m.tensors}
-    if unknown:
-        return f"tree names arrays the manifest does not record: {sorted(unknown)[:3]}"
-    if has_pickle(m.tree) and not m.pickled:
-        return "tree holds a pickled value the manifest does not declare (hostile or damaged)"
+    for rank, _ in m.rank_trees():
+        part = m.for_rank(rank)
+        of_rank = f" of rank {rank}" if m.world_size > 1 else ""
+        names = set(leaf_names(part.tree))
+        unknown = names - {t.name for t in part.tensors}
+        if unknown:
+            return f"tree{of_rank} names arrays the manifest does not record: {sorted(unknown)[:3]}"
+        if has_pickle(part.tree) and not m.pickled:
+            return f"tree{of_rank} holds a pickled value the manifest does not declare (hostile or damaged)"
     return None
 
 

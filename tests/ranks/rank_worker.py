@@ -1,0 +1,174 @@
+"""One rank of a test job (started by rankkit.run_job): runs a scenario, writes rank<r>.json.
+
+Scenarios save and load through ``Store.open(url, group=WORLD)``; a victim rank may SIGKILL itself at
+a protocol phase (``StoreOptions.on_phase``) or before a call, as a node dying would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ckptstore
+from ckptstore.ranks import RankFailure
+
+
+def state_of(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"w": torch.randn(rank + 2, 3, generator=g), "rank": rank, "step": step,
+            "nested": {"b": torch.arange(5) * (rank + step), "name": f"rank-{rank}"}}
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def failure(exc: BaseException) -> dict[str, Any]:
+    return {"ok": False, "error_type": type(exc).__name__, "error": str(exc),
+            "failed_ranks": getattr(exc, "ranks", None)}
+
+
+class Job:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.rank = cfg["rank"]
+        self.url = cfg["url"]
+        self.victim = cfg.get("victim")
+        self.phase = cfg.get("phase")
+        self.kill_step = cfg.get("kill_step", 2)
+        self.step = 0
+
+    def on_phase(self, name: str, cut: str) -> None:
+        if self.rank == self.victim and name == self.phase and self.step == self.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def open(self, **kw: Any) -> ckptstore.Store:
+        opts = ckptstore.StoreOptions(storage_options=self.cfg.get("storage_options"), on_phase=self.on_phase)
+        return ckptstore.Store.open(self.url, group=dist.group.WORLD, options=opts,
+                                    rank_timeout=self.cfg.get("rank_timeout", 30), **kw)
+
+    def save(self, store: ckptstore.Store, step: int, **kw: Any) -> ckptstore.CutInfo:
+        self.step = step
+        if self.rank == self.victim and self.phase == "before-save" and step == self.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return store.save(state_of(self.rank, step), step=step, **kw)
+
+
+def scenario_save_load(job: Job) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with job.open(create=True) as store:
+        out["repr"] = repr(store)
+        infos = [job.save(store, s) for s in (1, 2)]
+        out["infos"] = [i.to_json() for i in infos]
+    back = ckptstore.load(job.url, rank=job.rank, storage_options=job.cfg.get("storage_options"))
+    out["loaded_same"] = same(back, state_of(job.rank, 2))
+    out["keys_same"] = same(ckptstore.load(job.url, keys=["nested"], rank=job.rank,
+                                           storage_options=job.cfg.get("storage_options")),
+                            {"nested": state_of(job.rank, 2)["nested"]})
+    try:
+        ckptstore.load(job.url, storage_options=job.cfg.get("storage_options"))
+    except ckptstore.UsageError as exc:
+        out["no_rank_error"] = str(exc)
+    return out
+
+
+def scenario_fail_prepare(job: Job) -> dict[str, Any]:
+    with job.open(create=True) as store:
+        job.save(store, 1)
+        bad = job.cfg["bad_rank"]
+        state = state_of(job.rank, 2)
+        if job.rank == bad:
+            state["oops"] = object()
+        try:
+            store.save(state, step=2)
+        except ckptstore.CkptStoreError as exc:
+            res = failure(exc)
+        else:
+            res = {"ok": True}
+        # The group is not broken by a reported failure: the next save works on every rank.
+        res["next"] = job.save(store, 3).step
+        return res
+
+
+def scenario_mismatch(job: Job) -> dict[str, Any]:
+    with job.open(create=True) as store:
+        try:
+            store.save(state_of(job.rank, 1), step=1 + (job.rank == job.cfg["odd_rank"]))
+        except ckptstore.CkptStoreError as exc:
+            return failure(exc)
+        return {"ok": True}
+
+
+def scenario_kill(job: Job) -> dict[str, Any]:
+    store = job.open(create=True)
+    job.save(store, 1)
+    t0 = time.monotonic()
+    try:
+        job.save(store, 2)
+    except ckptstore.CkptStoreError as exc:
+        res = failure(exc)
+    else:
+        res = {"ok": True}
+    res["seconds"] = time.monotonic() - t0
+    try:
+        job.save(store, 3)
+    except ckptstore.CkptStoreError as exc:
+        res["next_error"] = failure(exc)
+    try:
+        store.close()
+    except ckptstore.CkptStoreError:
+        pass
+    return res
+
+
+def scenario_resume(job: Job) -> dict[str, Any]:
+    with job.open(create=False) as store:
+        latest = store.latest()
+        back = store.load(rank=job.rank)
+        res = {"latest_step": latest.step, "world_size": latest.world_size,
+               "state_ok": same(back, state_of(job.rank, latest.step))}
+        info = job.save(store, latest.step + 10)
+        res["saved"] = info.step
+        if job.rank == 0:
+            res["verify_ok"] = store.verify().ok
+        return res
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    rank, world = cfg["rank"], cfg["world"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    job = Job(cfg)
+    try:
+        res = globals()[f"scenario_{cfg['scenario']}"](job)
+    except BaseException as exc:  # noqa: BLE001 - the test reads it
+        res = {**failure(exc), "traceback": traceback.format_exc()}
+    with open(os.path.join(cfg["out_dir"], f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    if rank == 0:
+        # Rank 0's process hosts the rendezvous store (tcp://): stay until the other ranks are done
+        # reading it, as a job's final barrier would (never waiting for a victim that was killed).
+        others = [r for r in range(1, world) if r != cfg.get("victim")]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(cfg["out_dir"], f"rank{r}.json")) for r in others):
+            time.sleep(0.05)
+    os._exit(0)  # never wait in destroy_process_group for a rank that is gone
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Store.save over several ranks: one cut holds every rank, commits atomically, and no rank hangs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import ckptstore
+from ckptstore import layout
+
+from .rankkit import describe, run_job
+
+
+
+def test_two_ranks_save_and_load_back_each_rank(tmp_path):
+    url = str(tmp_path / "store")
+    res = run_job(str(tmp_path / "out"), 2, "save_load", url=url)
+    assert all(r.returncode == 0 and r.result and "error" not in r.result for r in res), describe(res)
+    for r in res:
+        assert r.result["loaded_same"] and r.result["keys_same"]
+        assert "world size 2" in r.result["no_rank_error"] and "rank=" in r.result["no_rank_error"]
+        assert [i["world_size"] for i in r.result["infos"]] == [2, 2]
+    # Every rank got the same CutInfo back.
+    assert res[0].result["infos"] == res[1].result["infos"]
+    m = ckptstore.Store.open(url, readonly=True).manifest()
+    assert m.world_size == 2 and m.format_version == 3
+    assert sorted({f.rank for f in m.files}) == [0, 1]
+    assert sorted(os.listdir(tmp_path / "store" / "marks")) == []
+    report = ckptstore.Store.open(url, readonly=True).verify()
+    assert report.ok, report.to_json()
+
+
+def test_four_ranks(tmp_path):
+    url = str(tmp_path / "store")
+    res = run_job(str(tmp_path / "out"), 4, "save_load", url=url, timeout=150)
+    assert all(r.result and r.result.get("loaded_same") for r in res), describe(res)
+    with ckptstore.Store.open(url, readonly=True) as store:
+        assert store.latest().world_size == 4
+        assert store.verify().ok
+
+
+def test_a_rank_whose_state_fails_makes_every_rank_raise_and_commits_nothing(tmp_path):
+    url = str(tmp_path / "store")
+    res = run_job(str(tmp_path / "out"), 2, "fail_prepare", url=url, bad_rank=1)
+    by = {r.rank: r.result for r in res}
+    assert by[1]["error_type"] == "UnsupportedValue", describe(res)
+    assert by[0]["error_type"] == "RankFailure" and by[0]["failed_ranks"] == [1], describe(res)
+    assert "rank 1" in by[0]["error"]
+    assert by[0]["next"] == by[1]["next"] == 3
+    steps = [c.step for c in ckptstore.Store.open(url, readonly=True).cuts()]
+    assert steps == [1, 3]
+
+
+def test_ranks_at_different_steps_are_named(tmp_path):
+    url = str(tmp_path / "store")
+    res = run_job(str(tmp_path / "out"), 2, "mismatch", url=url, odd_rank=1)
+    for r in res:
+        assert r.result["error_type"] == "RankFailure", describe(res)
+        assert r.result["failed_ranks"] == [1] and "different step" in r.result["error"]
+    assert ckptstore.Store.open(url, readonly=True).latest() is None
+
+
+@pytest.mark.parametrize("victim,phase", [
+    (1, "before-save"), (1, "shard-written"), (1, "rank-written"),
+    (0, "shard-written"), (0, "manifest-written"), (0, "latest-written"),
+])
+def test_a_killed_rank_leaves_latest_or_commits_whole_and_survivors_raise_in_time(tmp_path, victim, phase):
+    url = str(tmp_path / "store")
+    timeout = 3
+    res = run_job(str(tmp_path / "out"), 2, "kill", url=url, victim=victim, phase=phase, rank_timeout=timeout)
+    assert res[victim].killed, describe(res)
+    survivor = res[1 - victim].result
+    assert survivor is not None and survivor["error_type"] == "RankFailure", describe(res)
+    assert survivor["failed_ranks"] == [victim], describe(res)
+    assert survivor["seconds"] < timeout + 10
+    # The group is broken from then on: the next collective call raises at once, naming the failure.
+    assert survivor["next_error"]["error_type"] == "RankFailure"
+    # Invariant: LATEST unchanged (step 1) or the cut fully committed (step 2, every rank's files).
+    with ckptstore.Store.open(url, readonly=True) as store:
+        latest = store.latest()
+        assert latest is not None and latest.step in (1, 2)
+        if latest.step == 2:
+            assert phase == "latest-written"
+        assert store.verify(latest.id).ok
+    # A restart (new processes, same store) recovers and continues.
+    res2 = run_job(str(tmp_path / "out2"), 2, "resume", url=url)
+    for r in res2:
+        assert r.result and r.result.get("state_ok"), describe(res2)
+        assert r.result["saved"] == latest.step + 10
+    assert res2[0].result["verify_ok"]
+    leftovers = [n for n in os.listdir(tmp_path / "store" / "cuts")
+                 if layout.is_cut_id(n) and not os.path.exists(tmp_path / "store" / "cuts" / n / "MANIFEST.json")]
+    assert leftovers == []
