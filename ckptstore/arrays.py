@@ -90,11 +90,17 @@ def empty_for(kind: str, dtype: str, shape: list[int], nbytes: int) -> tuple[Any
 
 
 def finish_tensor(obj: Any, node: dict[str, Any], map_location: Any) -> Any:
-    """Applies what the tree records about a tensor (Parameter, requires_grad) and moves it."""
-    if node.get("t") != "tensor":
+    """Applies what the tree records about a tensor (Parameter, requires_grad) and moves it. A
+    "dtensor" node is finished the same way: its array is the rank's local shard, returned as a plain
+    tensor (a reader has no device mesh; ``ckptstore.dtensors.rewrap`` makes it a DTensor again)."""
+    if node.get("t") not in ("tensor", "dtensor"):
         return obj
     import torch
 
+    if not isinstance(obj, torch.Tensor):
+        # A damaged or hostile tree pointing a tensor node at a numpy record (the builder reports the
+        # TypeError as a malformed node).
+        raise TypeError(f"a {node.get('t')!r} node names a {type(obj).__name__}, not a tensor")
     if map_location is not None and str(map_location) != "cpu" and str(obj.device) != str(map_location):
         obj = obj.to(map_location)
     if node.get("param"):
