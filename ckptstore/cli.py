@@ -16,8 +16,9 @@ from typing import Any, Callable, Sequence
 from . import __version__
 from .errors import CkptStoreError, CutNotFound, DataError, StorageError, StoreLocked, UsageError
 from .info import CutInfo
+from .manifest import Manifest
 from .retention import KeepEvery, KeepFinal, KeepLast, KeepTagged, Policy
-from .store import Store, open_for_repair
+from .store import Store, open_for_repair, rank_part
 
 EXIT_OK, EXIT_PROBLEM, EXIT_CANNOT_RUN = 0, 1, 2
 
@@ -89,12 +90,41 @@ def emit(args: argparse.Namespace, doc: Any, text: str) -> None:
         print(text)
 
 
+CUT_HEADERS = ["step", "cut", "state", "tags", "size", "tensors", "ranks", "created (UTC)"]
+
+
 def _cut_rows(cuts: Sequence[CutInfo], latest: str | None) -> list[list[Any]]:
     return [
         [c.step, c.id, ("LATEST " if c.id == latest else "") + ("final" if c.final else ""), ",".join(c.tags),
-         human_bytes(c.nbytes), c.tensors, c.created_at.strftime("%Y-%m-%d %H:%M:%S")]
+         human_bytes(c.nbytes), c.tensors, c.world_size, c.created_at.strftime("%Y-%m-%d %H:%M:%S")]
         for c in cuts
     ]
+
+
+def _file_ranks(m: Manifest) -> dict[str, int]:
+    """File name -> the rank it belongs to."""
+    return {f.name: f.rank for f in m.files}
+
+
+def _rank_counts(m: Manifest) -> list[dict[str, int]]:
+    """Per rank: its files, tensors and stored bytes."""
+    counts = [{"rank": r, "files": 0, "tensors": 0, "nbytes": 0} for r in range(m.world_size)]
+    ranks = _file_ranks(m)
+    for f in m.files:
+        counts[f.rank]["files"] += 1
+        counts[f.rank]["nbytes"] += f.nbytes
+    for t in m.tensors:
+        counts[ranks[t.file]]["tensors"] += 1
+    return counts
+
+
+def _cli_rank_part(m: Manifest, rank: int | None, url: str, what: str) -> Manifest:
+    """Rank ``rank``'s part of a cut for a command that works on one rank's state (``what``); a one-line
+    UsageError (exit 2) naming the world size when a cut of several ranks comes without ``--rank``."""
+    if rank is None and m.world_size > 1:
+        raise UsageError(f"cut {m.cut} holds the state of {m.world_size} ranks (world size {m.world_size}); "
+                         f"pass --rank R (0 to {m.world_size - 1}) to {what} one rank's part", store=url, cut=m.cut)
+    return rank_part(m, rank, url)
 
 
 def _selector(s: str | None) -> str | int:
@@ -112,7 +142,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         doc = {"store": store.url, "latest": latest, "latest_problem": cls.latest_problem,
                "cuts": [c.to_json() for c in cuts],
                "leftovers": [{"cut": lo.cut, "kind": lo.kind, "paths": lo.paths} for lo in cls.leftovers]}
-        text = table(["step", "cut", "state", "tags", "size", "tensors", "created (UTC)"], _cut_rows(cuts, latest))
+        text = table(CUT_HEADERS, _cut_rows(cuts, latest))
         if cls.latest_problem:
             text += f"\n! {cls.latest_problem} (run `ckptstore repair {store.url}`)"
         if cls.leftovers:
@@ -126,24 +156,36 @@ def cmd_show(args: argparse.Namespace) -> int:
         m = store.manifest(_selector(args.cut))
         info = CutInfo.from_manifest(m)
         cls = store.classify()
+        # --rank R: the files and tensors listed are rank R's only (the cut's totals stay in the doc)
+        part = m if args.rank is None else rank_part(m, args.rank, store.url)
+        counts = _rank_counts(m)
         doc: dict[str, Any] = {**info.to_json(), "latest": cls.latest is not None and cls.latest.cut == m.cut,
                                "writer": m.writer.model_dump(), "metadata": m.metadata,
-                               "files": [f.model_dump() for f in m.files]}
+                               "ranks": counts, "rank": args.rank,
+                               "files": [f.model_dump() for f in part.files]}
         lines = [
             f"cut       {m.cut}", f"step      {m.step}", f"final     {'yes' if m.final else 'no'}",
             f"latest    {'yes' if doc['latest'] else 'no'}", f"tags      {', '.join(m.tags) or '-'}",
             f"size      {human_bytes(info.nbytes)} in {len(m.files)} file(s), {len(m.tensors)} tensor(s)",
+            f"ranks     {m.world_size}",
+            *[f"{'rank ' + str(c['rank']):<9} {human_bytes(c['nbytes'])} in {c['files']} file(s), "
+              f"{c['tensors']} tensor(s)" for c in counts if m.world_size > 1 and args.rank in (None, c["rank"])],
             f"created   {m.created_at}", f"writer    {m.writer.host} pid {m.writer.pid} ({m.writer.mode}, "
             f"ckptstore {m.writer.ckptstore_version})",
         ]
         if m.metadata:
             lines.append(f"metadata  {json.dumps(m.metadata)}")
         if args.tensors:
-            doc["tensors"] = [{"name": t.name, "dtype": t.dtype, "shape": t.shape, "nbytes": t.nbytes,
-                               "file": t.file, "blake3": t.blake3} for t in m.tensors]
+            ranks = _file_ranks(m)
+            doc["tensors"] = [{"rank": ranks[t.file], "name": t.name, "dtype": t.dtype, "shape": t.shape,
+                               "nbytes": t.nbytes, "file": t.file, "blake3": t.blake3} for t in part.tensors]
+            rows = [[t.name, t.dtype, list(t.shape), t.nbytes, t.file] for t in part.tensors]
             lines.append("")
-            lines.append(table(["name", "dtype", "shape", "bytes", "file"],
-                               [[t.name, t.dtype, list(t.shape), t.nbytes, t.file] for t in m.tensors]))
+            if m.world_size > 1:  # names repeat across ranks: say whose each one is
+                lines.append(table(["rank", "name", "dtype", "shape", "bytes", "file"],
+                                   [[ranks[t.file], *row] for t, row in zip(part.tensors, rows)]))
+            else:
+                lines.append(table(["name", "dtype", "shape", "bytes", "file"], rows))
         emit(args, doc, "\n".join(lines))
         return EXIT_OK
 
@@ -151,17 +193,43 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     with Store.open(args.url, readonly=True) as store:
         cut = None if args.cut is None else _selector(args.cut)
-        cuts = store.cuts() if cut is None else [CutInfo.from_manifest(store.manifest(cut))]
-        progress = Progress(sum(c.nbytes for c in cuts), "verify")
+        manifests = store.classify().committed if cut is None else [store.manifest(cut)]
+        progress = Progress(sum(m.nbytes for m in manifests), "verify")
         report = store.verify(cut, progress=progress)
         progress.finish()
-        rows = [[f.severity, f.kind, f.cut or "-", f.path or "-", f.message] for f in report.findings]
-        summary = (f"{'OK' if report.ok else 'PROBLEMS FOUND'}: {len(report.cuts_checked)} cut(s), "
+        by_id = {m.cut: m for m in manifests}
+        world_sizes = {c: by_id[c].world_size if c in by_id else None for c in report.cuts_checked}
+        doc = report.to_json()
+        doc["world_sizes"] = world_sizes  # cut -> how many ranks' state it holds (None: manifest unreadable)
+        for f, fd in zip(report.findings, doc["findings"]):
+            fd["rank"] = _finding_rank(by_id, f.cut, f.path)
+        several = any((w or 1) > 1 for w in world_sizes.values())
+        if several:  # which rank's file is damaged matters
+            rows = [[f.severity, f.kind, f.cut or "-", "-" if fd["rank"] is None else fd["rank"], f.path or "-",
+                     f.message] for f, fd in zip(report.findings, doc["findings"])]
+            headers = ["severity", "kind", "cut", "rank", "file", "message"]
+        else:
+            rows = [[f.severity, f.kind, f.cut or "-", f.path or "-", f.message] for f in report.findings]
+            headers = ["severity", "kind", "cut", "file", "message"]
+        ranked = ""
+        if several:
+            sizes = sorted({w for w in world_sizes.values() if w and w > 1})
+            ranked = " (" + ", ".join(f"{sum(1 for w in world_sizes.values() if w == n)} with {n} ranks"
+                                      for n in sizes) + ")"
+        summary = (f"{'OK' if report.ok else 'PROBLEMS FOUND'}: {len(report.cuts_checked)} cut(s){ranked}, "
                    f"{report.files_checked} file(s), {human_bytes(report.bytes_hashed)} hashed, "
                    f"{len(report.errors)} error(s), {len(report.findings) - len(report.errors)} notice(s)")
-        text = (table(["severity", "kind", "cut", "file", "message"], rows) + "\n" if rows else "") + summary
-        emit(args, report.to_json(), text)
+        text = (table(headers, rows) + "\n" if rows else "") + summary
+        emit(args, doc, text)
         return EXIT_OK if report.ok else EXIT_PROBLEM
+
+
+def _finding_rank(by_id: dict[str, Manifest], cut: str | None, path: str | None) -> int | None:
+    """The rank whose file a finding is about (None when it is not about one of a cut's shard files)."""
+    m = by_id.get(cut) if cut is not None else None
+    if m is None or not path:
+        return None
+    return _file_ranks(m).get(path.rsplit("/", 1)[-1])
 
 
 def _policy(args: argparse.Namespace) -> Policy:
@@ -191,8 +259,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                "kept": [c.to_json() for c in store.cuts() if c.id not in {r.id for r in removed}]}
         text = f"{verb} {len(removed)} cut(s)"
         if removed:
-            text = table(["step", "cut", "state", "tags", "size", "tensors", "created (UTC)"],
-                         _cut_rows(removed, None)) + "\n" + text
+            text = table(CUT_HEADERS, _cut_rows(removed, None)) + "\n" + text
         emit(args, doc, text)
         return EXIT_OK
 
@@ -239,13 +306,15 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
         healthy = cls.latest_problem is None and (info is None and not cls.committed or info is not None and info.id == latest)
         doc = {"store": store.url, "resume_step": info.step if info else None, "cut": info.id if info else None,
                "finished": bool(info.final) if info else False, "healthy": healthy, "latest": latest,
+               "world_size": info.world_size if info else None,
                "latest_problem": cls.latest_problem,
                "skipped": [{"cut": c, "reason": r} for c, r in skipped.items()]}
         if info is None:
             text = "empty store: start from scratch" if not cls.committed else "no committed cut verifies"
         else:
+            ranks = f"world size {info.world_size}; " if info.world_size > 1 else ""
             text = (f"resume from step {info.step} ({info.id}); run {'finished' if info.final else 'interrupted'}; "
-                    f"LATEST {'healthy' if healthy else 'NOT healthy'}")
+                    f"{ranks}LATEST {'healthy' if healthy else 'NOT healthy'}")
         for c, r in skipped.items():
             text += f"\n  skipped {c}: {r}"
         emit(args, doc, text)
@@ -255,16 +324,18 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
 def cmd_diff(args: argparse.Namespace) -> int:
     with Store.open(args.url, readonly=True) as store:
         a, b = store.manifest(_selector(args.cut_a)), store.manifest(_selector(args.cut_b))
+        a, b = _cli_rank_part(a, args.rank, store.url, "diff"), _cli_rank_part(b, args.rank, store.url, "diff")
         ta = {t.name: (t.blake3, t.dtype, tuple(t.shape)) for t in a.tensors}
         tb = {t.name: (t.blake3, t.dtype, tuple(t.shape)) for t in b.tensors}
-        doc = {"a": a.cut, "b": b.cut,
+        doc = {"a": a.cut, "b": b.cut, "rank": args.rank,
                "changed": sorted(n for n in ta.keys() & tb.keys() if ta[n] != tb[n]),
                "unchanged": sorted(n for n in ta.keys() & tb.keys() if ta[n] == tb[n]),
                "added": sorted(tb.keys() - ta.keys()), "removed": sorted(ta.keys() - tb.keys())}
         same = not (doc["changed"] or doc["added"] or doc["removed"])
         rows = [[kind, n] for kind in ("changed", "added", "removed") for n in doc[kind]]
         text = (table(["change", "tensor"], rows) + "\n" if rows else "") + (
-            f"{len(doc['changed'])} changed, {len(doc['unchanged'])} unchanged, {len(doc['added'])} added, "
+            ("" if args.rank is None else f"rank {args.rank}: ")
+            + f"{len(doc['changed'])} changed, {len(doc['unchanged'])} unchanged, {len(doc['added'])} added, "
             f"{len(doc['removed'])} removed")
         emit(args, doc, text)
         return EXIT_OK if same else EXIT_PROBLEM
@@ -274,9 +345,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_cut
 
     with Store.open(args.url, readonly=True) as store:
-        doc = export_cut(store, _selector(args.cut), args.to, fmt=args.format,
-                         allow_pickle_format=args.allow_pickle_format)
-        emit(args, doc, f"exported {doc['cut']} ({doc['tensors']} tensors) to {doc['path']} as {doc['format']}")
+        m = store.manifest(_selector(args.cut))
+        _cli_rank_part(m, args.rank, store.url, "export")  # the CLI's word for a missing --rank
+        doc = export_cut(store, m.cut, args.to, fmt=args.format, allow_pickle_format=args.allow_pickle_format,
+                         rank=args.rank)
+        whose = f" rank {doc['rank']} of {doc['world_size']}" if doc["world_size"] > 1 else ""
+        emit(args, doc,
+             f"exported {doc['cut']}{whose} ({doc['tensors']} tensors) to {doc['path']} as {doc['format']}")
         return EXIT_OK
 
 
@@ -297,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("ls", cmd_ls, "list committed cuts (and leftovers)")
     sp = add("show", cmd_show, "show one cut (default: latest)")
     sp.add_argument("cut", nargs="?", default=None, help="'latest', a cut id or a step")
-    sp.add_argument("--tensors", action="store_true", help="list the cut's tensors")
+    sp.add_argument("--tensors", action="store_true", help="list the cut's tensors (with their rank)")
+    sp.add_argument("--rank", type=int, default=None, help="list only this rank's files and tensors")
     sp = add("verify", cmd_verify, "re-hash every committed cut and report findings (exit 1 on problems)")
     sp.add_argument("--cut", default=None, help="verify only this cut ('latest', an id or a step)")
     sp = add("prune", cmd_prune, "remove cuts a retention policy does not keep")
@@ -313,9 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("diff", cmd_diff, "which tensors changed between two cuts (by hash; exit 1 when they differ)")
     sp.add_argument("cut_a")
     sp.add_argument("cut_b")
+    sp.add_argument("--rank", type=int, default=None,
+                    help="compare this rank's parts (required for cuts of several ranks)")
     sp = add("export", cmd_export, "write a cut as one safetensors or torch.save file")
     sp.add_argument("cut", nargs="?", default=None)
     sp.add_argument("--to", required=True, help="output file")
+    sp.add_argument("--rank", type=int, default=None,
+                    help="export this rank's state (required for cuts of several ranks)")
     sp.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
     sp.add_argument("--allow-pickle-format", action="store_true",
                     help="needed for --format torch: torch.load unpickles what it reads")
