@@ -210,18 +210,26 @@ class RankPart:
         self.rank = rank
         self.world_size = world_size
         self.published = False
+        #: Files and arrays written for this part and not yet published (a writer process's result).
+        self.written: tuple[list[FileRecord], list[TensorRecord]] | None = None
 
     def __repr__(self) -> str:
         return f"RankPart({self.id!r}, rank {self.rank} of {self.world_size})"
 
-    def write(self, items: Sequence[ArrayItem], *, tree: dict[str, Any], pickled: bool, codec: Codec,
-              max_shard_bytes: int, timings: dict[str, float] | None = None,
-              hash_threads: int = hashing.AUTO) -> RankRecord:
-        """Writes ``items`` as this rank's shards (durable on return) and publishes the record."""
-        files, tensors = write_shards(self._storage, self.id, self.rank, items, codec=codec,
-                                      max_shard_bytes=max_shard_bytes, timings=timings, hash_threads=hash_threads,
-                                      on_shard=lambda: self._protocol.phase("shard-written", self.id))
-        return self.publish(files, tensors, tree=tree, pickled=pickled)
+    def write(self, items: Sequence[ArrayItem], *, codec: Codec, max_shard_bytes: int,
+              timings: dict[str, float] | None = None, hash_threads: int = hashing.AUTO
+              ) -> tuple[list[FileRecord], list[TensorRecord]]:
+        """Writes ``items`` as this rank's shards (durable on return); ``publish`` them next."""
+        return write_shards(self._storage, self.id, self.rank, items, codec=codec, max_shard_bytes=max_shard_bytes,
+                            timings=timings, hash_threads=hash_threads,
+                            on_shard=lambda: self._protocol.phase("shard-written", self.id))
+
+    def discard_files(self) -> None:
+        """Removes this rank's partial files (its writer process died mid-cut), so they can be
+        written again; other ranks' files are left alone."""
+        if self.published:
+            raise UsageError(f"rank {self.rank} already published its part of cut {self.id}", cut=self.id)
+        self._protocol.discard_rank_files(self.id, self.rank)
 
     def publish(self, files: list[FileRecord], tensors: list[TensorRecord], *, tree: dict[str, Any],
                 pickled: bool, mode: str = "sync") -> RankRecord:

@@ -122,6 +122,12 @@ class CommitProtocol:
         return {int(e.name[4:9]) for e in self._storage.list_dir(layout.cut_dir(cut))
                 if not e.is_dir and layout.is_rank_record_name(e.name)}
 
+    def open_rank_dir(self, cut: str) -> None:
+        """The cut's directory, for a rank that may get there before the coordinator's mark does
+        (a directory without mark or manifest is an abandoned leftover that ``gc`` removes, should
+        the cut never be marked)."""
+        self._storage.make_dir(layout.cut_dir(cut))
+
     def read_rank(self, cut: str, rank: int) -> RankRecord:
         path = layout.rank_record_path(cut, rank)
         return RankRecord.from_bytes(self._storage.read_bytes(path), store=self.url, cut=cut, path=path)
@@ -254,6 +260,15 @@ class CommitProtocol:
         mark and an empty directory, so the same cut can be written again."""
         self._remove_files(cut)
         self._storage.make_dir(layout.cut_dir(cut))
+
+    def discard_rank_files(self, cut: str, rank: int) -> None:
+        """Removes rank ``rank``'s partial shard files of a cut still in flight (a dead writer
+        process's), leaving every other rank's files and records alone."""
+        d = layout.cut_dir(cut)
+        prefix = layout.shard_name(rank, 0, compressed=False)[:len("rank00000-")]
+        for entry in self._storage.list_dir(d):
+            if not entry.is_dir and layout.is_shard_name(entry.name) and entry.name.startswith(prefix):
+                self._storage.delete(f"{d}/{entry.name}", durable=False)
 
     def _remove_files(self, cut: str) -> list[str]:
         d = layout.cut_dir(cut)

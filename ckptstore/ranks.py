@@ -133,14 +133,12 @@ class RankGroup:
                 if self.rank in wanted:
                     self._kv.set(prefix + str(self.rank), json.dumps(payload))
                     self._kv.add(prefix + "n", 1)
-                got = self._wait(prefix, wanted, what, where)
+                got = self._wait(prefix, wanted, what, where, counted=True)
             except RankFailure as exc:
                 self._broken = exc
                 raise
             except Exception as exc:  # noqa: BLE001 - the rendezvous store itself is gone
-                failure = RankFailure(
-                    f"the job's rendezvous store is unreachable during {what!r} ({type(exc).__name__}: {exc}); "
-                    "the process that hosts it (rank 0 under init_method='env://') is gone", ranks=[0], **where)
+                failure = self._store_gone(what, exc, where)
                 self._broken = failure
                 raise failure from exc
         if senders is None:
@@ -154,13 +152,44 @@ class RankGroup:
             out[r] = v
         return out
 
-    def _wait(self, prefix: str, wanted: list[int], what: str, where: dict[str, Any]) -> dict[int, Any]:
+    def _store_gone(self, what: str, exc: BaseException, where: dict[str, Any]) -> RankFailure:
+        return RankFailure(
+            f"the job's rendezvous store is unreachable during {what!r} ({type(exc).__name__}: {exc}); "
+            "the process that hosts it (rank 0 under init_method='env://') is gone", ranks=[0], **where)
+
+    # One-shot messages of a cut in flight (the commit threads' "my part is durable" and rank 0's
+    # outcome). Keys carry the cut id, so they need no sequence and any thread may use them.
+    def post(self, key: str, payload: Any) -> None:
+        """Publishes this rank's one-shot message ``key`` (e.g. ``written/<cut>``)."""
+        self._kv.set(f"msg/{key}/{self.rank}", json.dumps(payload))
+
+    def await_posts(self, key: str, ranks: Sequence[int], what: str, **where: Any) -> dict[int, Any]:
+        """Waits (liveness-guarded, like ``exchange``) for message ``key`` of every rank in ``ranks``.
+        Does not break the group: a failure here is one cut's, and the next exchange shows the rest."""
+        try:
+            return self._wait(f"msg/{key}/", sorted(set(ranks)), what, where, counted=False)
+        except RankFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise self._store_gone(what, exc, where) from exc
+
+    def forget_posts(self, key: str, ranks: Sequence[int]) -> None:
+        try:
+            for r in ranks:
+                self._kv.delete_key(f"msg/{key}/{r}")
+        except Exception:  # noqa: BLE001 - a leftover key costs bytes, never correctness
+            pass
+
+    def _wait(self, prefix: str, wanted: list[int], what: str, where: dict[str, Any], *,
+              counted: bool) -> dict[int, Any]:
         start = time.monotonic()
         seen: dict[int, tuple[str, float]] = {}
         delay, next_liveness = 0.001, start + self._interval
+        keys = [prefix + str(r) for r in wanted]
         while True:
-            if int(self._kv.add(prefix + "n", 0)) >= len(wanted):
-                values = self._kv.multi_get([prefix + str(r) for r in wanted])
+            done = (int(self._kv.add(prefix + "n", 0)) >= len(wanted)) if counted else self._kv.check(keys)
+            if done:
+                values = self._kv.multi_get(keys)
                 return {r: json.loads(v) for r, v in zip(wanted, values)}
             now = time.monotonic()
             if now >= next_liveness:
@@ -209,6 +238,17 @@ def check_all_ok(results: Sequence[Any], what: str, **where: Any) -> None:
         raise RankFailure(f"{what} failed on rank(s) {sorted(failed)}: {detail}", ranks=list(failed), **where)
 
 
+def check_same(msgs: Sequence[Any], fields: Sequence[str], what: str, **where: Any) -> None:
+    """Every rank passed the same values to a collective call (else all raise, naming the odd ranks)."""
+    for name in fields:
+        values = [m.get(name) if isinstance(m, dict) else None for m in msgs]
+        odd = [r for r, v in enumerate(values) if v != values[0]]
+        if odd:
+            got = ", ".join(f"rank {r}: {values[r]!r}" for r in [0, *odd])
+            raise RankFailure(f"ranks called {what} with different {name} ({got}); every rank must make the "
+                              "same collective calls", ranks=odd, **where)
+
+
 def outcome(exc: BaseException | None) -> dict[str, Any]:
     """A rank's message about its own part."""
     if exc is None:
@@ -216,4 +256,4 @@ def outcome(exc: BaseException | None) -> dict[str, Any]:
     return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
 
 
-__all__ = ["RankGroup", "RankFailure", "DEFAULT_RANK_TIMEOUT", "check_all_ok", "outcome"]
+__all__ = ["RankGroup", "RankFailure", "DEFAULT_RANK_TIMEOUT", "check_all_ok", "check_same", "outcome"]

@@ -40,7 +40,7 @@ from .marks import BadCut
 from .options import StoreOptions
 from .pending import PendingCut, RankPart
 from .protocol import CommitProtocol, now_iso
-from .ranks import DEFAULT_RANK_TIMEOUT, RankFailure, RankGroup, check_all_ok, outcome
+from .ranks import DEFAULT_RANK_TIMEOUT, RankFailure, RankGroup, check_all_ok, check_same, outcome
 from .recovery import Classification, Leftover, ManifestCache, classify, scan
 from .retention import Policy, hard_keeps
 from .selection import CutSelector, choose_cut, latest_manifest, raise_io_errors, select_manifest
@@ -355,6 +355,7 @@ class Store:
         if self.ranks is None:
             raise UsageError("rank parts belong to stores opened with group=", store=self.url)
         layout.check_cut_id(cut, store=self.url)
+        self._protocol.open_rank_dir(cut)
         return RankPart(self._protocol, self.storage, cut, step, self.ranks.rank, self.ranks.size)
 
     @pausing
@@ -433,7 +434,7 @@ class Store:
         msgs = ranks.exchange("save-prepare", {**outcome(err), "step": step, "final": bool(final)}, **where)
         if err is not None:
             raise err
-        _check_same(msgs, ("step", "final"), "save", where)
+        check_same(msgs, ("step", "final"), "save", **where)
         check_all_ok(msgs, f"preparing the cut of step {step}", **where)
 
         pending: PendingCut | None = None
@@ -453,8 +454,9 @@ class Store:
             where["cut"] = cut
             try:
                 with ranks.busy():
-                    self.rank_part(cut, step).write(items, tree=tree, pickled=pickled, codec=self.shard_codec(),
-                                                    max_shard_bytes=self.options.max_shard_bytes)
+                    part = self.rank_part(cut, step)
+                    files, arrays = part.write(items, codec=self.shard_codec(), max_shard_bytes=self.options.max_shard_bytes)
+                    part.publish(files, arrays, tree=tree, pickled=pickled)
             except BaseException as exc:  # noqa: BLE001
                 err = exc
             msgs = ranks.exchange("save-written", outcome(err), **where)
@@ -617,17 +619,6 @@ def rank_part(m: Manifest, rank: int | None, url: str) -> Manifest:
         return m.for_rank(rank)
     except ValueError as exc:
         raise UsageError(str(exc), store=url, cut=m.cut) from None
-
-
-def _check_same(msgs: list[Any], fields: Sequence[str], what: str, where: dict[str, Any]) -> None:
-    """Every rank passed the same values to a collective call (else all raise, naming the odd ranks)."""
-    for name in fields:
-        values = [m.get(name) if isinstance(m, dict) else None for m in msgs]
-        odd = [r for r, v in enumerate(values) if v != values[0]]
-        if odd:
-            got = ", ".join(f"rank {r}: {values[r]!r}" for r in [0, *odd])
-            raise RankFailure(f"ranks called {what} with different {name} ({got}); every rank must make the "
-                              "same collective calls", ranks=odd, **where)
 
 
 def _check_cut_fields(tags: Sequence[str], metadata: dict[str, Any] | None, url: str) -> None:

@@ -6,6 +6,12 @@ from the shared block, records them in the pending cut, commits it, and prunes. 
 dies or hangs, the commit thread discards the partial files and writes the same shards itself from the
 same block (event ``fallback``); a new writer process is started for the next cut. Shard settings
 (compression, shard size) are the store's (``StoreOptions``), never the Checkpointer's.
+
+With ``group=`` (several ranks of a torch.distributed job) the constructor, ``maybe_cut``, ``cut`` and
+``close`` are collective: the ranks agree on every cut (the same step, skip-if-busy for all or none,
+earlier failures reported everywhere at the same call), each rank's commit thread writes its part and
+publishes its record, and rank 0's commit thread commits once every part is durable
+(:mod:`ckptstore.writer.ranked`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from ckptstore.errors import StepConflict, UsageError
 from ckptstore.events import Emitter, JsonLinesFile
 from ckptstore.manifest import FileRecord
 from ckptstore.options import StoreOptions
-from ckptstore.pending import PendingCut
+from ckptstore.pending import PendingCut, RankPart
 from ckptstore.retention import Policy
 from ckptstore.storage import StorageSpec
 from ckptstore.store import Store
@@ -35,6 +41,7 @@ from .errors import WriterDied, WriterError, WriterTimeout
 from .options import WriterOptions
 from .plan import grown_size
 from .process import WriterProcess
+from .ranked import RankedCuts
 from .shm import Block
 
 
@@ -51,10 +58,14 @@ class Checkpointer:
         busy: str = "skip",
         options: WriterOptions | None = None,
         store_options: StoreOptions | None = None,
+        group: Any = None,
+        rank_timeout: float | None = None,
         **more: Any,
     ) -> None:
         """``url_or_store``: a URL (the store is opened, and created when missing, with
-        ``store_options``: compression, shard size, storage_options) or an open writer ``Store``."""
+        ``store_options``: compression, shard size, storage_options) or an open writer ``Store``.
+        ``group``: a torch.distributed process group whose ranks take cuts together (collective calls;
+        ``rank_timeout`` as in ``Store.open``); None is one process."""
         if options is None:
             options = WriterOptions(every=every, keep=keep, mode=mode, busy=busy, **more)  # type: ignore[arg-type]
         self.options = options
@@ -62,14 +73,21 @@ class Checkpointer:
             if store_options is not None:
                 raise UsageError("store_options go with a URL; this store was opened with its own options",
                                  store=url_or_store.url)
+            if group is not None and url_or_store.ranks is None:
+                raise UsageError("group= needs a store opened with group= (or pass the URL)", store=url_or_store.url)
             self.store, self._owns_store = url_or_store, False
         else:
-            self.store, self._owns_store = Store.open(url_or_store, create=True, options=store_options), True
+            self.store, self._owns_store = Store.open(url_or_store, create=True, options=store_options, group=group,
+                                                      rank_timeout=rank_timeout), True
         if self.store.readonly:
             raise UsageError("a Checkpointer needs a store opened for writing", store=self.store.url)
+        #: The ranks this checkpointer cuts with (None: one process).
+        self.ranked: RankedCuts | None = RankedCuts(self, self.store.ranks) if self.store.ranks is not None else None
         try:
             spec = self._writer_spec(options)
-        except BaseException:
+        except BaseException as exc:
+            if self.ranked is not None:
+                self.ranked.agree_ready(exc)
             if self._owns_store:
                 self.store.close()
             raise
@@ -94,11 +112,21 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._run, name="ckptstore-commit", daemon=True)
             self._thread.start()
         atexit.register(self._at_exit)
+        if self.ranked is not None:
+            try:
+                self.ranked.agree_ready(None)
+            except BaseException:
+                self.close_locally()
+                raise
 
     # ------------------------------------------------------------------------------------ public API
     def maybe_cut(self, step: int, state: Any, **kw: Any) -> CutHandle | None:
         """Takes a cut when ``step % every == 0`` and none is in flight (``busy="skip"``); returns its
         handle, or None when no cut is due or it was skipped."""
+        if self.ranked is not None:
+            if step % self.options.every != 0:
+                return None
+            return self.ranked.take(step, state, periodic=True, **kw)
         self._raise_unreported()
         if step % self.options.every != 0:
             return None
@@ -107,6 +135,12 @@ class Checkpointer:
     def cut(self, step: int, state: Any, *, final: bool = False, **kw: Any) -> CutHandle:
         """Takes a cut now whatever ``every`` says; waits for one in flight first. With ``final`` it
         also marks the cut final and waits until it is committed."""
+        if self.ranked is not None:
+            handle = self.ranked.take(step, state, periodic=False, final=final, **kw)
+            assert handle is not None
+            if final:
+                self.ranked.wait_committed(handle)
+            return handle
         self._raise_unreported()
         handle = self._take(step, state, periodic=False, final=final, **kw)
         assert handle is not None
@@ -117,6 +151,20 @@ class Checkpointer:
     def close(self, timeout: float | None = None) -> None:
         """Drains the cut in flight, stops the writer, frees the block; raises what failed and was not
         yet reported. A failure here after a final cut committed does not touch that cut."""
+        if self._closed:
+            return
+        if self.ranked is not None:
+            if self._current is not None:
+                self._current._done.wait(timeout)
+            try:
+                self.ranked.agree_close()
+            except BaseException:
+                self.close_locally(timeout)
+                raise
+        self.close_locally(timeout)
+
+    def close_locally(self, timeout: float | None = None) -> None:
+        """``close`` without agreeing with the other ranks (what is left when they are gone)."""
         if self._closed:
             return
         self._closed = True
@@ -165,6 +213,8 @@ class Checkpointer:
         return spec
 
     def _fan_out(self, event: dict[str, Any]) -> None:
+        if self.store.ranks is not None:
+            event.setdefault("rank", self.store.ranks.rank)
         if self.options.on_event is not None:
             self.options.on_event(event)
         if self._jsonl is not None:
@@ -257,6 +307,9 @@ class Checkpointer:
     def _process(self, handle: CutHandle, captured: Captured, extra: dict[str, Any]) -> None:
         """Begin, write (writer process, else this thread), commit, prune. Never raises: the outcome
         lands in the handle, and unreported failures surface at the next call or at close."""
+        if self.ranked is not None:
+            self.ranked.process(handle, captured, extra)
+            return
         t0 = time.perf_counter()
         pending: PendingCut | None = None
         try:
@@ -295,8 +348,10 @@ class Checkpointer:
             except BaseException as exc:  # noqa: BLE001 - a failed prune never fails a committed cut
                 self.events.emit("warning", step=handle.step, message=f"prune failed: {exc}")
 
-    def _write(self, handle: CutHandle, captured: Captured, pending: PendingCut) -> tuple[list[FileRecord], dict[str, float]]:
-        """The cut's shards, written by the writer process (else here), recorded in ``pending``."""
+    def _write(self, handle: CutHandle, captured: Captured, pending: PendingCut | RankPart
+               ) -> tuple[list[FileRecord], dict[str, float]]:
+        """The cut's shards (this rank's), written by the writer process (else here), recorded in
+        ``pending`` (a rank part records them when it publishes)."""
         if self.options.mode == "process":
             try:
                 if self._writer is not None and not self._writer.alive:
@@ -307,7 +362,10 @@ class Checkpointer:
                     self._writer = self._start_writer()
                 assert self._block is not None
                 done = self._writer.write(self._request(handle, captured), self._block.fd)
-                pending.add_files(done.files, done.tensors)
+                if isinstance(pending, RankPart):
+                    pending.written = (done.files, done.tensors)
+                else:
+                    pending.add_files(done.files, done.tensors)
                 return done.files, dict(done.timings)
             except (WriterDied, WriterTimeout) as exc:
                 handle.fallback = str(exc)
@@ -323,17 +381,21 @@ class Checkpointer:
         codec = self.store.shard_codec()
         return P.WriteRequest(cut=handle.id, step=handle.step, block=self._block.name, block_size=self._block.size,
                               slots=list(captured.plan.slots), codec=codec.name,  # type: ignore[arg-type]
-                              zstd_level=codec.level, max_shard_bytes=self.store.options.max_shard_bytes)
+                              zstd_level=codec.level, max_shard_bytes=self.store.options.max_shard_bytes,
+                              rank=self.store.ranks.rank if self.store.ranks is not None else 0)
 
-    def _write_here(self, captured: Captured, pending: PendingCut) -> tuple[list[FileRecord], dict[str, float]]:
+    def _write_here(self, captured: Captured, pending: PendingCut | RankPart
+                    ) -> tuple[list[FileRecord], dict[str, float]]:
         """The same shards the writer process would write, from the same block, in this process."""
         assert self._block is not None
         t0 = time.perf_counter()
         view = self._block.view
         items = [s.item(view) for s in captured.plan.slots]
         timings: dict[str, float] = {}
-        files, _ = pending.write(items, codec=self.store.shard_codec(), max_shard_bytes=self.store.options.max_shard_bytes,
-                                 timings=timings)
+        files, tensors = pending.write(items, codec=self.store.shard_codec(),
+                                       max_shard_bytes=self.store.options.max_shard_bytes, timings=timings)
+        if isinstance(pending, RankPart):
+            pending.written = (files, tensors)
         timings["total"] = time.perf_counter() - t0
         return files, timings
 

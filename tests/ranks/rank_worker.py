@@ -147,6 +147,76 @@ def scenario_resume(job: Job) -> dict[str, Any]:
         return res
 
 
+def checkpointer(job: Job, **kw: Any) -> Any:
+    from ckptstore.writer import Checkpointer
+
+    events: list[dict[str, Any]] = []
+    opts = ckptstore.StoreOptions(storage_options=job.cfg.get("storage_options"))
+    ck = Checkpointer(job.url, group=dist.group.WORLD, rank_timeout=job.cfg.get("rank_timeout", 30),
+                      store_options=opts, mode=job.cfg.get("mode", "process"), on_event=events.append, **kw)
+    return ck, events
+
+
+def big_state(rank: int, step: int, mib: int) -> dict[str, Any]:
+    st = state_of(rank, step)
+    st["big"] = torch.full((mib * 262144,), float(step))
+    return st
+
+
+def scenario_ck_loop(job: Job) -> dict[str, Any]:
+    ck, events = checkpointer(job, every=job.cfg.get("every", 2), keep=ckptstore.KeepLast(2))
+    mib = job.cfg.get("mib_by_rank", {}).get(str(job.rank), 0)
+    taken = []
+    for step in range(job.cfg.get("steps", 10)):
+        h = ck.maybe_cut(step, big_state(job.rank, step, mib) if mib else state_of(job.rank, step))
+        if h is not None:
+            taken.append(step)
+    final = job.cfg.get("steps", 10)
+    info = ck.cut(final, state_of(job.rank, final), final=True).wait()
+    ck.close()
+    back = ckptstore.load(job.url, rank=job.rank, storage_options=job.cfg.get("storage_options"))
+    return {"taken": taken, "skipped": ck.skipped, "final": info.to_json(), "same": same(back, state_of(job.rank, final)),
+            "event_ranks": sorted({e.get("rank") for e in events}),
+            "kinds": sorted({e["event"] for e in events})}
+
+
+def scenario_ck_mismatch(job: Job) -> dict[str, Any]:
+    ck, _ = checkpointer(job, every=1)
+    try:
+        ck.maybe_cut(4 + (job.rank == job.cfg["odd_rank"]), state_of(job.rank, 4))
+    except ckptstore.CkptStoreError as exc:
+        res = failure(exc)
+    else:
+        res = {"ok": True}
+    ck.close_locally()
+    return res
+
+
+def scenario_ck_kill(job: Job) -> dict[str, Any]:
+    ck, _ = checkpointer(job, every=1)
+    ck.cut(1, state_of(job.rank, 1), final=True)
+    h = ck.maybe_cut(2, state_of(job.rank, 2))
+    if job.rank == job.victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    res: dict[str, Any] = {}
+    try:
+        h.wait(60)
+        res["cut2"] = "committed"
+    except ckptstore.CkptStoreError as exc:
+        res["cut2"] = failure(exc)
+    res["seconds"] = time.monotonic() - t0
+    try:
+        ck.maybe_cut(3, state_of(job.rank, 3))
+    except ckptstore.CkptStoreError as exc:
+        res["next"] = failure(exc)
+    try:
+        ck.close()
+    except ckptstore.CkptStoreError as exc:
+        res["close"] = failure(exc)
+    return res
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     rank, world = cfg["rank"], cfg["world"]

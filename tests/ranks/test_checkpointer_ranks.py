@@ -1,0 +1,67 @@
+"""Checkpointer(group=): background cuts of every rank, agreed in the loop, committed once."""
+
+from __future__ import annotations
+
+import pytest
+
+import ckptstore
+
+from .rankkit import describe, run_job
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_two_ranks_take_periodic_and_final_cuts(tmp_path, mode):
+    url = str(tmp_path / "store")
+    res = run_job(str(tmp_path / "out"), 2, "ck_loop", url=url, mode=mode)
+    assert all(r.result and r.result.get("same") for r in res), describe(res)
+    a, b = res[0].result, res[1].result
+    # Agreement: the same cuts were taken (and skipped) on every rank, and the same cut committed.
+    assert a["taken"] == b["taken"] and a["skipped"] == b["skipped"]
+    assert a["final"] == b["final"] and a["final"]["world_size"] == 2 and a["final"]["final"]
+    assert a["event_ranks"] == [0] and b["event_ranks"] == [1]
+    assert {"captured", "written", "committed"} <= set(a["kinds"])
+    with ckptstore.Store.open(url, readonly=True) as store:
+        assert store.verify().ok
+        assert all(c.world_size == 2 for c in store.cuts())
+        assert len(store.cuts()) <= 3  # KeepLast(2) plus the final cut
+
+
+def test_skip_is_decided_for_all_ranks_together(tmp_path):
+    url = str(tmp_path / "store")
+    # Rank 1 writes 64 MiB per cut, rank 0 almost nothing: only rank 1 is still busy at the next step.
+    res = run_job(str(tmp_path / "out"), 2, "ck_loop", url=url, every=1, steps=12, mib_by_rank={"1": 64},
+                  timeout=150)
+    assert all(r.result and r.result.get("same") for r in res), describe(res)
+    a, b = res[0].result, res[1].result
+    assert a["taken"] == b["taken"] and a["skipped"] == b["skipped"]
+    assert a["skipped"] > 0, describe(res)
+
+
+def test_a_rank_at_another_step_is_named(tmp_path):
+    res = run_job(str(tmp_path / "out"), 2, "ck_mismatch", url=str(tmp_path / "store"), odd_rank=1)
+    for r in res:
+        assert r.result["error_type"] == "RankFailure" and r.result["failed_ranks"] == [1], describe(res)
+        assert "different step" in r.result["error"]
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_killed_after_capture_fails_the_cut_everywhere_and_nobody_hangs(tmp_path, victim):
+    url = str(tmp_path / "store")
+    timeout = 3
+    res = run_job(str(tmp_path / "out"), 2, "ck_kill", url=url, victim=victim, rank_timeout=timeout)
+    assert res[victim].killed, describe(res)
+    s = res[1 - victim].result
+    assert s is not None, describe(res)
+    # The survivor's cut either committed whole (the victim's part was durable before it died) or
+    # failed naming the victim; its next collective call raises naming the victim, within the timeout.
+    if s["cut2"] != "committed":
+        assert s["cut2"]["error_type"] == "RankFailure" and s["cut2"]["failed_ranks"] == [victim], describe(res)
+    assert s["seconds"] < timeout + 15
+    assert s["next"]["error_type"] == "RankFailure" and s["next"]["failed_ranks"] == [victim], describe(res)
+    with ckptstore.Store.open(url, readonly=True) as store:
+        latest = store.latest()
+        assert latest.step in (1, 2) and latest.world_size == 2
+        assert store.verify(latest.id).ok
+    # A restart resumes from LATEST on every rank.
+    res2 = run_job(str(tmp_path / "out2"), 2, "resume", url=url)
+    assert all(r.result and r.result.get("state_ok") for r in res2), describe(res2)

@@ -1,0 +1,258 @@
+"""A Checkpointer's cuts over several ranks: agreement in the loop, a two-phase commit behind it.
+
+In the training loop (collective calls, every rank at the same steps):
+
+1. ``cut`` exchange: every rank says its step, whether its previous cut is still in flight, and
+   whether one of its cuts failed unreported; rank 0 proposes the new cut id. Different steps are
+   named; an earlier failure raises on every rank at this same call; if any rank is busy, a periodic
+   cut is skipped on all ranks (``busy="skip"``) or all wait for their own cut first.
+2. each rank captures its state into its own shared block;
+3. ``captured`` exchange: a rank whose capture failed makes every rank drop the cut.
+
+Behind the loop, each rank's commit thread: (rank 0 first marks the cut) the writer process writes
+the rank's shards, the rank publishes its durable record (``cuts/<cut>/rank<r>.json``) and posts
+"written". Rank 0's thread waits for every rank's post (a rank that shows no sign of life for
+``rank_timeout`` fails the cut), reads every record from the store, commits one manifest and posts
+the outcome, which the other ranks' threads wait for. So LATEST moves once, only when every rank's
+files are durable, and every rank's handle ends with the same outcome.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ckptstore import layout
+from ckptstore.errors import StepConflict, UsageError
+from ckptstore.info import CutInfo
+from ckptstore.pending import PendingCut
+from ckptstore.ranks import RankFailure, RankGroup, check_all_ok, check_same, outcome
+
+from .capture import Captured, capture
+from .committer import CutHandle, elapsed
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+
+
+class RankedCuts:
+    """The collective side of one rank's Checkpointer (made by it when its store has ranks)."""
+
+    def __init__(self, ck: "Checkpointer", ranks: RankGroup) -> None:
+        self.ck = ck
+        self.ranks = ranks
+        self._outcome_keys: list[str] = []  # rank 0: outcome posts every rank has read once all are idle
+
+    @property
+    def where(self) -> dict[str, Any]:
+        return {"store": self.ck.store.url}
+
+    # --------------------------------------------------------------------------------- agreement
+    def agree_ready(self, err: BaseException | None) -> None:
+        """The end of the collective constructor: every rank is ready, or every rank raises."""
+        msgs = self.ranks.exchange("checkpointer-ready", outcome(err), **self.where)
+        if err is None:
+            check_all_ok(msgs, "starting the checkpointer", **self.where)
+
+    def agree_close(self) -> None:
+        """Collective close: every rank reports what failed unreported; all raise the same failure."""
+        self._agree_failures(self.ranks.exchange("close", {"failed": self._unreported()}, **self.where))
+
+    def _unreported(self) -> dict[str, Any] | None:
+        for h in self.ck._handles:
+            if h.done and h.error is not None and not h.reported:
+                return {"cut": h.id, "step": h.step, "error": f"{type(h.error).__name__}: {h.error}"[:2000]}
+        return None
+
+    def _agree_failures(self, msgs: Sequence[Any]) -> None:
+        """Raises on every rank when any rank's earlier cut failed: this rank's own error when it has
+        one, else a RankFailure naming the ranks and the cut."""
+        failed = {r: m["failed"] for r, m in enumerate(msgs) if m.get("failed")}
+        if not failed:
+            return
+        mine = [h for h in self.ck._handles if h.done and h.error is not None and not h.reported]
+        for h in mine:
+            h.reported = True
+        self.ck._handles = [h for h in self.ck._handles if not h.done]
+        if mine:
+            raise mine[0].error  # type: ignore[misc]
+        first = failed[min(failed)]
+        detail = "; ".join(f"rank {r}: {f['error']}" for r, f in sorted(failed.items()))
+        raise RankFailure(f"cut {first['cut']} (step {first['step']}) failed on rank(s) {sorted(failed)}: {detail}",
+                          ranks=list(failed), cut=first["cut"], **self.where)
+
+    def take(self, step: int, state: Any, *, periodic: bool, final: bool = False, tags: Sequence[str] = (),
+             metadata: dict[str, Any] | None = None, allow_pickle: bool = False) -> CutHandle | None:
+        ck = self.ck
+        if ck._closed:
+            raise UsageError("the checkpointer is closed", store=ck.store.url)
+        current = ck._current
+        local: BaseException | None = None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            local = UsageError(f"step must be a non-negative int, got {step!r}", store=ck.store.url)
+        elif ck._last_step is not None and step <= ck._last_step:
+            local = StepConflict(f"step {step} is not above the last cut's step {ck._last_step}", store=ck.store.url)
+        proposal = layout.new_cut_id(step) if self.ranks.rank == 0 and local is None else None
+        msgs = self.ranks.exchange("cut", {
+            **outcome(local), "step": step if local is None else repr(step), "periodic": periodic, "final": final,
+            "busy": current is not None and not current.done, "failed": self._unreported(), "cut": proposal,
+        }, **self.where)
+        check_same(msgs, ("step", "periodic", "final"), "maybe_cut/cut", **self.where)
+        self._agree_failures(msgs)
+        if local is not None:
+            raise local
+        check_all_ok(msgs, f"taking the cut of step {step}", **self.where)
+        if any(m["busy"] for m in msgs):
+            busy_ranks = [r for r, m in enumerate(msgs) if m["busy"]]
+            if periodic and ck.options.busy == "skip":
+                ck.skipped += 1
+                ck.events.emit("skipped", step=step, reason=f"the previous cut is still in flight on rank(s) {busy_ranks}",
+                               skipped_total=ck.skipped, waited_total=ck.waited)
+                return None
+            ck.waited += 1
+            t_wait = time.perf_counter()
+            if current is not None:
+                current._done.wait()
+            ck.events.emit("waited", step=step, seconds=elapsed(t_wait), waited_total=ck.waited)
+            self._agree_failures(self.ranks.exchange("cut-waited", {"failed": self._unreported()}, **self.where))
+        if self.ranks.rank == 0:
+            # Every rank's previous cut has ended, so every rank has read these outcome posts.
+            for key in self._outcome_keys:
+                self.ranks.forget_posts(key, [0])
+            self._outcome_keys.clear()
+        handle = CutHandle(step, msgs[0]["cut"], final)
+        err: BaseException | None = None
+        captured: Captured | None = None
+        try:
+            captured = capture(state, ck._block_for, allow_pickle=allow_pickle, device_copy=ck.options.device_copy,
+                               pinning=ck._pinning)
+        except BaseException as exc:  # noqa: BLE001 - every rank hears of it below
+            err = exc
+        msgs = self.ranks.exchange("captured", outcome(err), **self.where)
+        if err is None:
+            try:
+                check_all_ok(msgs, f"capturing cut {handle.id}", cut=handle.id, **self.where)
+            except RankFailure as exc:
+                err = exc
+        if err is not None:
+            handle.to_failed(err)
+            handle.reported = True
+            ck.events.emit("failed", step=step, cut=handle.id, stage="capture", error=str(err),
+                           error_type=type(err).__name__)
+            raise err
+        assert captured is not None
+        handle.to_writing()
+        ck._last_step = step
+        ck._current = handle
+        ck._handles.append(handle)
+        ck.events.emit("captured", step=step, cut=handle.id, stall_s=round(captured.seconds, 6),
+                       bytes=captured.plan.payload, tensors=len(captured.plan.slots), capture_mode=captured.mode,
+                       capture_reason=captured.reason, writer_mode=ck.options.mode, world_size=self.ranks.size,
+                       skipped_total=ck.skipped, waited_total=ck.waited)
+        job = (handle, captured, {"tags": list(tags), "metadata": dict(metadata or {}), "final": final})
+        if ck.options.mode == "inline":
+            self.process(*job)
+        else:
+            ck._jobs.put(job)
+        return handle
+
+    def wait_committed(self, handle: CutHandle) -> CutInfo:
+        """``cut(final=True)``: every rank waits for the outcome, which is the same on every rank."""
+        handle._done.wait()
+        self._agree_failures(self.ranks.exchange("cut-final", {"failed": self._unreported()}, **self.where))
+        return handle.wait()
+
+    # ----------------------------------------------------------------------------- commit thread
+    def process(self, handle: CutHandle, captured: Captured, extra: dict[str, Any]) -> None:
+        """This rank's part of one cut, and on rank 0 the commit. Never raises: the outcome lands in
+        the handle and is agreed at the next collective call."""
+        ck, ranks = self.ck, self.ranks
+        t0 = time.perf_counter()
+        where = {**self.where, "cut": handle.id}
+        pending: PendingCut | None = None
+        info: CutInfo | None = None
+        failure: BaseException | None = None
+        with ranks.busy():
+            err: BaseException | None = None
+            try:
+                if ranks.rank == 0:
+                    pending = ck.store.begin_cut(handle.step, writer=f"checkpointer:{ck.options.mode}", cut=handle.id,
+                                                 world_size=ranks.size)
+                captured.ready()
+                part = ck.store.rank_part(handle.id, handle.step)
+                files, timings = ck._write(handle, captured, part)
+                assert part.written is not None
+                part.publish(*part.written, tree=captured.tree, pickled=captured.pickled, mode=ck.options.mode)
+                handle.timings.update(timings)
+                ck.events.emit("written", step=handle.step, cut=handle.id, bytes=sum(f.nbytes for f in files),
+                               timings={k: round(v, 6) for k, v in timings.items()}, writer_mode=ck.options.mode,
+                               fallback=handle.fallback)
+            except BaseException as exc:  # noqa: BLE001 - posted to rank 0 below
+                err = exc
+            try:
+                ranks.post(f"written/{handle.id}", outcome(err))
+            except Exception:  # noqa: BLE001 - rank 0 then finds this rank silent
+                pass
+            if err is None:
+                handle.to_committing()
+            if ranks.rank == 0:
+                t_commit = time.perf_counter()
+                try:
+                    posts = ranks.await_posts(f"written/{handle.id}", range(ranks.size),
+                                              f"every rank's part of cut {handle.id}", **where)
+                    if err is not None:
+                        raise err
+                    check_all_ok([posts[r] for r in range(ranks.size)], f"writing cut {handle.id}", **where)
+                    assert pending is not None
+                    pending.collect_ranks()
+                    pending.files_durable()
+                    info = pending.commit(tags=extra["tags"], final=extra["final"], metadata=extra["metadata"],
+                                          mode=ck.options.mode)
+                except BaseException as exc:  # noqa: BLE001
+                    failure = exc
+                    if pending is not None:
+                        try:
+                            pending.abandon()  # a no-op once committed or left to recovery
+                        except BaseException:  # noqa: BLE001 - the cut stays marked; gc removes it
+                            pass
+                ranks.forget_posts(f"written/{handle.id}", range(ranks.size))
+                result = {**outcome(failure), "unknown": pending is not None and pending.state == "unknown",
+                          "info": {**info.to_json(), "metadata": info.metadata} if info is not None else None}
+                try:
+                    ranks.post(f"outcome/{handle.id}", result)
+                    self._outcome_keys.append(f"outcome/{handle.id}")
+                except Exception:  # noqa: BLE001 - the others then find rank 0 silent
+                    pass
+            else:
+                try:
+                    result = ranks.await_posts(f"outcome/{handle.id}", [0], f"rank 0's commit of cut {handle.id}",
+                                               **where)[0]
+                    if err is not None:
+                        failure = err
+                    elif result["ok"]:
+                        info = CutInfo.from_json(result["info"])
+                    else:
+                        note = "LATEST may name it: the next writer open decides" if result.get("unknown") else \
+                            "LATEST was left where it was"
+                        failure = RankFailure(f"cut {handle.id} was not committed ({note}): {result['error']}",
+                                              ranks=[0], **where)
+                except BaseException as exc:  # noqa: BLE001
+                    failure = err if err is not None else exc
+        if failure is not None:
+            if not handle.done:
+                handle.to_failed(failure)
+            ck.events.emit("failed", step=handle.step, cut=handle.id, error=str(failure),
+                           error_type=type(failure).__name__, writer_mode=ck.options.mode, fallback=handle.fallback)
+            return
+        assert info is not None
+        handle.to_committed(info)
+        ck.events.emit("committed", step=handle.step, cut=handle.id, bytes=info.nbytes, world_size=ranks.size,
+                       timings={"commit": elapsed(t_commit) if ranks.rank == 0 else None, "total": elapsed(t0)},
+                       writer_mode=ck.options.mode, fallback=handle.fallback, final=extra["final"])
+        if ranks.rank == 0 and ck.options.keep is not None:
+            try:
+                ck.store.prune(ck.options.keep)
+            except BaseException as exc:  # noqa: BLE001 - a failed prune never fails a committed cut
+                ck.events.emit("warning", step=handle.step, message=f"prune failed: {exc}")
+
+__all__ = ["RankedCuts"]
