@@ -14,8 +14,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CutNotFound
+from .errors import CutNotFound, UsageError
 from .info import CutInfo
+from .ranks import RankFailure, check_all_ok, outcome
 from .store import Store
 
 
@@ -83,31 +84,105 @@ def restore(
     fallback: bool = False,
     map_location: Any = "cpu",
     rng: bool = True,
+    group: Any = None,
+    rank_timeout: float | None = None,
 ) -> Resumed | None:
     """Loads the cut to resume from into the live objects; None for an empty store.
 
     With ``fallback`` and a writable store, a cut that fails verification is recorded bad and LATEST is
-    pointed at the cut resumed from, so the run's next cuts continue from there.
+    pointed at the cut resumed from, so the run's next cuts continue from there. DTensors (FSDP2,
+    tensor parallel) are copied back into the model's and optimizer's own DTensors, which needs the
+    layout of the save (a different one raises ``UsageError`` naming the key).
+
+    With ``group`` (or a store opened with ``group=``) it is collective: rank 0 chooses the cut
+    (fallback decisions included), every rank restores its own part of it, and every rank raises if
+    any rank failed. The cut's world size must be the group's.
     """
     own = isinstance(url_or_store, str)
-    store = Store.open(url_or_store, create=True) if own else url_or_store  # type: ignore[arg-type]
+    store = Store.open(url_or_store, create=True, group=group, rank_timeout=rank_timeout) if own else url_or_store  # type: ignore[arg-type]
     try:
-        latest = store.classify().latest
-        info, skipped = store.choose(fallback=fallback)
-        if info is None:
-            return None
-        state = store.load(info.id, map_location=map_location)
-        if fallback and not store.readonly and (latest is None or latest.cut != info.id):
-            store.point_latest(info.id)
-        for key, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
-            if obj is not None:
-                if key not in state:
-                    raise CutNotFound(f"cut has no {key!r} state to restore", store=store.url, cut=info.id)
-                obj.load_state_dict(state[key])
-        if rng and "rng" in state:
-            restore_rng(state["rng"])
-        return Resumed(cut=info, step=int(state.get("step", info.step)), extra=dict(state.get("extra", {})),
-                       state=state, skipped=skipped)
+        if group is not None and store.ranks is None and _group_size(group) > 1:
+            raise UsageError("restore(group=) needs a store opened with the same group= (or a URL)", store=store.url)
+        objs = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+        if store.ranks is None:
+            info, skipped = _choose(store, fallback)
+            if info is None:
+                return None
+            return _restore_part(store, info, skipped, None, objs, map_location, rng)
+        return _restore_ranks(store, fallback, objs, map_location, rng)
     finally:
         if own:
             store.close()
+
+
+def _group_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def _choose(store: Store, fallback: bool) -> tuple[CutInfo | None, dict[str, str]]:
+    latest = store.classify().latest
+    info, skipped = store.choose(fallback=fallback)
+    if info is not None and fallback and not store.readonly and (latest is None or latest.cut != info.id):
+        store.point_latest(info.id)
+    return info, skipped
+
+
+def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_location: Any, rng: bool) -> Resumed | None:
+    ranks = store.ranks
+    assert ranks is not None
+    where: dict[str, Any] = {"store": store.url}
+    info: CutInfo | None = None
+    skipped: dict[str, str] = {}
+    err: BaseException | None = None
+    if ranks.rank == 0:
+        try:
+            info, skipped = _choose(store, fallback)
+        except BaseException as exc:  # noqa: BLE001 - every rank hears of it
+            err = exc
+    chosen = ranks.exchange("restore-choose", {**outcome(err), "cut": info.id if info else None, "skipped": skipped},
+                            senders=[0], **where)[0]
+    if err is not None:
+        raise err
+    if not chosen["ok"]:
+        raise RankFailure(f"rank 0 could not choose the cut to resume from: {chosen['error']}", ranks=[0], **where)
+    if chosen["cut"] is None:
+        return None
+    resumed: Resumed | None = None
+    try:
+        m = store.manifest(chosen["cut"])
+        if m.world_size != ranks.size:
+            raise UsageError(f"cut {m.cut} holds {m.world_size} rank(s) but this job has {ranks.size}; a per-rank "
+                             "restore needs the world size of the save (resharding needs the DCP reader)",
+                             store=store.url, cut=m.cut)
+        resumed = _restore_part(store, CutInfo.from_manifest(m), dict(chosen["skipped"]), ranks.rank, objs,
+                                map_location, rng)
+    except BaseException as exc:  # noqa: BLE001
+        err = exc
+    msgs = ranks.exchange("restore-done", outcome(err), **where, cut=chosen["cut"])
+    if err is not None:
+        raise err
+    check_all_ok(msgs, f"restoring cut {chosen['cut']}", **where, cut=chosen["cut"])
+    return resumed
+
+
+def _restore_part(store: Store, info: CutInfo, skipped: dict[str, str], rank: int | None, objs: dict[str, Any],
+                  map_location: Any, rng: bool) -> Resumed:
+    from .dtensors import node_at, restore_into
+
+    part = store.manifest(info.id).for_rank(rank or 0)
+    state = store.load(info.id, map_location=map_location, rank=rank)
+    where = {"store": store.url, "cut": info.id}
+    for key, obj in objs.items():
+        if obj is not None:
+            if not isinstance(state, dict) or key not in state:
+                raise CutNotFound(f"cut has no {key!r} state to restore", **where)
+            if key in ("model", "optimizer"):
+                restore_into(obj, state[key], where=where, tree=node_at(part.tree, key), prefix=(key,))
+            else:
+                obj.load_state_dict(state[key])
+    if rng and isinstance(state, dict) and "rng" in state:
+        restore_rng(state["rng"])
+    return Resumed(cut=info, step=int(state.get("step", info.step)), extra=dict(state.get("extra", {})),
+                   state=state, skipped=skipped)

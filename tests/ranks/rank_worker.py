@@ -217,6 +217,60 @@ def scenario_ck_kill(job: Job) -> dict[str, Any]:
     return res
 
 
+def fsdp_model() -> tuple[Any, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+
+def train_step(model: Any, opt: Any, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    x = torch.randn(4, 5, generator=g)
+    loss = model(x).pow(2).mean() + 0.01 * torch.randn(1).sum()  # the global RNG matters too
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def digest(model: Any, opt: Any) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for v in list(model.state_dict().values()) + [t for st in opt.state_dict()["state"].values() for t in st.values()]:
+        local = v.to_local() if hasattr(v, "to_local") else v
+        h.update(local.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if local.numel() else b"")
+    return h.hexdigest()
+
+
+def scenario_fsdp(job: Job) -> dict[str, Any]:
+    """Trains an FSDP2 model with background cuts; ``die_at`` SIGKILLs every rank after that step's
+    cut committed; a rerun restores in place and trains on to ``steps``."""
+    from ckptstore.writer import Checkpointer
+
+    model, opt = fsdp_model()
+    opts = ckptstore.StoreOptions(storage_options=job.cfg.get("storage_options"))
+    with Checkpointer(job.url, every=2, group=dist.group.WORLD, rank_timeout=30, store_options=opts,
+                      mode=job.cfg.get("mode", "process")) as ck:
+        resumed = ckptstore.restore(ck.store, model=model, optimizer=opt, group=dist.group.WORLD)
+        start = resumed.step + 1 if resumed is not None else 0
+        for step in range(start, job.cfg["steps"]):
+            train_step(model, opt, job.rank, step)
+            state = ckptstore.training_state(step=step, model=model, optimizer=opt)
+            if job.cfg.get("die_at") == step:
+                ck.cut(step, state).wait()
+                dist.barrier()
+                os.kill(os.getpid(), signal.SIGKILL)
+            ck.maybe_cut(step, state)
+        ck.cut(job.cfg["steps"], ckptstore.training_state(step=job.cfg["steps"], model=model, optimizer=opt), final=True)
+    return {"resumed_from": resumed.step if resumed else None, "digest": digest(model, opt)}
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     rank, world = cfg["rank"], cfg["world"]
