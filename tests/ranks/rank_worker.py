@@ -56,7 +56,8 @@ class Job:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def open(self, **kw: Any) -> ckptstore.Store:
-        opts = ckptstore.StoreOptions(storage_options=self.cfg.get("storage_options"), on_phase=self.on_phase)
+        opts = ckptstore.StoreOptions(storage_options=self.cfg.get("storage_options"), on_phase=self.on_phase,
+                                      lease_ttl_s=self.cfg.get("lease_ttl_s", 30.0))
         return ckptstore.Store.open(self.url, group=dist.group.WORLD, options=opts,
                                     rank_timeout=self.cfg.get("rank_timeout", 30), **kw)
 

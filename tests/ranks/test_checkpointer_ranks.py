@@ -65,3 +65,13 @@ def test_a_rank_killed_after_capture_fails_the_cut_everywhere_and_nobody_hangs(t
     # A restart resumes from LATEST on every rank.
     res2 = run_job(str(tmp_path / "out2"), 2, "resume", url=url)
     assert all(r.result and r.result.get("state_ok") for r in res2), describe(res2)
+
+
+def test_background_cuts_of_two_ranks_on_the_s3_server(tmp_path, s3_url):
+    url, opts = s3_url
+    res = run_job(str(tmp_path / "out"), 2, "ck_loop", url=url, storage_options=opts, timeout=150)
+    assert all(r.result and r.result.get("same") for r in res), describe(res)
+    assert res[0].result["taken"] == res[1].result["taken"]
+    with ckptstore.Store.open(url, readonly=True, options=ckptstore.StoreOptions(storage_options=opts)) as store:
+        assert store.latest().final and store.latest().world_size == 2
+        assert store.verify().ok
