@@ -65,9 +65,14 @@ def check_invariant(root: str, saved: dict[int, dict], committed_before: int | N
     if latest is not None:
         if step not in saved:
             raise InvariantBroken(f"LATEST names step {step}, which was never saved")
-        state = ckptstore.load(root)
-        if not _equal(saved[step], state):
-            raise InvariantBroken(f"loaded state differs from what was saved at step {step}")
+        # A cut of several ranks was saved as a list of per-rank states; each rank loads its own.
+        per_rank = saved[step] if isinstance(saved[step], list) else None
+        if per_rank is not None and latest.world_size != len(per_rank):
+            raise InvariantBroken(f"LATEST's cut holds {latest.world_size} ranks, {len(per_rank)} were saved")
+        for rank, want in enumerate(per_rank or [saved[step]]):
+            state = ckptstore.load(root, rank=rank if per_rank is not None else None)
+            if not _equal(want, state):
+                raise InvariantBroken(f"loaded state of rank {rank} differs from what was saved at step {step}")
     with ckptstore.Store.open(root) as writer:  # recovery + gc
         cls = writer.classify()
         if cls.leftovers:

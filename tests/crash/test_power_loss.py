@@ -48,6 +48,35 @@ def run_scenario(fs: CrashFS, *, writer: str = "store") -> tuple[dict[int, dict]
     return saved, returned
 
 
+def run_ranks_scenario(fs: CrashFS, world: int = 2) -> tuple[dict[int, list], list[tuple[int, int]]]:
+    """The multi-rank commit of ``Store.save(group=)`` as its storage sees it, in one process: rank 0
+    marks, every rank writes its shards and publishes its record (rank 1 first, as a slower rank 0
+    would), rank 0 reads all records and commits; then a prune."""
+    from ckptstore.arrays import describe
+    from ckptstore.pending import RankPart
+    from ckptstore.tree import flatten
+
+    saved: dict[int, list] = {}
+    returned: list[tuple[int, int]] = []
+    store = ckptstore.Store.open(fs, create=True, options=StoreOptions(max_shard_bytes=1 << 20))
+    for step in (10, 20, 30):
+        saved[step] = [_state(step * 100 + r) for r in range(world)]
+        pending = store.begin_cut(step, world_size=world)
+        for rank in reversed(range(world)):
+            tree, leaves = flatten(saved[step][rank])
+            part = RankPart(store._protocol, store.storage, pending.id, step, rank, world)
+            files, arrays = part.write([describe(x) for x in leaves], codec=store.shard_codec(),
+                                       max_shard_bytes=store.options.max_shard_bytes)
+            part.publish(files, arrays, tree=tree, pickled=False)
+        pending.collect_ranks()
+        pending.files_durable()
+        pending.commit()
+        returned.append((len(fs.ops) - 1, step))
+        store.prune(ckptstore.KeepLast(2))
+    store.close()
+    return saved, returned
+
+
 def sweep(fs: CrashFS, saved, returned, tmp_path, *, prefixes: bool, rng: random.Random) -> int:
     """Checks every distinct post-crash disk once (consecutive operations often leave the same disk)."""
     checked = 0
@@ -81,6 +110,15 @@ def test_sync_store_survives_power_loss_at_every_point(tmp_path, prefixes):
     checked = sweep(fs, saved, returned, tmp_path, prefixes=prefixes, rng=random.Random(7))
     assert checked >= 20  # distinct disks: the sweep really explored the log
     assert any(op.kind == "unlink" for op in fs.ops)  # the prune's deletions were part of the log
+
+
+@pytest.mark.parametrize("prefixes", [False, True], ids=["lose-all-volatile", "keep-a-prefix"])
+def test_multi_rank_commit_survives_power_loss_at_every_point(tmp_path, prefixes):
+    fs = CrashFS()
+    saved, returned = run_ranks_scenario(fs)
+    checked = sweep(fs, saved, returned, tmp_path, prefixes=prefixes, rng=random.Random(11))
+    assert checked >= 20
+    assert any("rank00001.json" in op.target for op in fs.ops)  # the rank records were part of the log
 
 
 @pytest.mark.parametrize("mode", ["thread", "inline"])
