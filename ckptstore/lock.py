@@ -106,6 +106,22 @@ class WriterLock:
         if self._lease is not None:
             self._lease.ensure_held()
 
+    def handoff(self) -> dict[str, Any]:
+        """What a helper process needs to go on holding this lock should this process die while the
+        helper finishes a cut (see :class:`InheritedLock`): for a flock, pass :meth:`lock_fd` along
+        (a descriptor of the same open file keeps the lock); for a lease, its token and ttl."""
+        if self._lock is not None:
+            return {"kind": "flock"}
+        if self._lease is not None:
+            return {"kind": "lease", "token": self._lease.info["token"], "ttl_s": self._lease.ttl_s}
+        return {"kind": "none"}
+
+    def lock_fd(self) -> int | None:
+        """The descriptor of the flocked lock file (None without a flock)."""
+        if self._lock is None:
+            return None
+        return self._lock._context.lock_file_fd
+
     def release(self) -> None:
         if self._lock is not None:
             self._lock.release()
@@ -113,6 +129,57 @@ class WriterLock:
         if self._lease is not None:
             self._lease.release()
             self._lease = None
+
+
+class InheritedLock:
+    """The writer lock as a rescuer holds it: a writer process finishing the cut of a trainer that
+    died (``WriterLock.handoff()`` says what it inherits).
+
+    flock: the inherited descriptor of the trainer's lock file keeps the lock held while the rescuer
+    lives (flock belongs to the open file, not the process), so no new writer can open the store and
+    collect the cut as a dead writer's leftover meanwhile. lease: the trainer stops renewing when it
+    dies; ``ensure_held`` (the commit protocol's guard, run before every step that moves LATEST or
+    deletes) checks that the lease object still carries the trainer's token and renews it with
+    ``If-Match`` on its current version, so a new writer can take the lease only after the rescuer
+    stopped renewing, and a rescuer that lost it commits nothing."""
+
+    def __init__(self, storage: Storage, handoff: dict[str, Any], fd: int | None = None) -> None:
+        self.storage = storage
+        self.kind = handoff.get("kind", "none")
+        self.token = handoff.get("token")
+        self.fd = fd
+        self.tag: str | None = None
+
+    def ensure_held(self) -> None:
+        if self.kind != "lease":
+            return
+        try:
+            tag, _ = self.storage.version(layout.LEASE_FILE)
+            holder = read_holder(self.storage, layout.LEASE_FILE)
+            if holder.get("token") != self.token:
+                raise StoreLocked("the lease of the trainer whose cut this process finishes was taken by another "
+                                  "writer; this cut is not committed", holder=holder, store=self.storage.url,
+                                  path=layout.LEASE_FILE)
+            doc = json.dumps({**holder, "renewed_at": now_iso(), "rescuer_pid": os.getpid()}).encode()
+            self.tag = self.storage.put_if_match(layout.LEASE_FILE, doc, tag)
+        except ConditionFailed:
+            raise StoreLocked("another writer took the lease while this process finished a dead trainer's cut",
+                              store=self.storage.url, path=layout.LEASE_FILE) from None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)  # never LOCK_UN: that would unlock the trainer's open file too
+            except OSError:
+                pass
+            self.fd = None
+        if self.kind == "lease" and self.tag is not None:
+            try:
+                tag, _ = self.storage.version(layout.LEASE_FILE)
+                if tag == self.tag:
+                    self.storage.delete(layout.LEASE_FILE, durable=False)
+            except Exception:  # noqa: BLE001 - an unreleased lease only expires after the ttl
+                pass
 
 
 class Lease:

@@ -90,6 +90,10 @@ class PendingCut:
             raise UsageError(f"file records of cut {self.id} name another rank than {rank}", cut=self.id)
         self._files[rank] = (list(files), list(tensors))
 
+    def files(self) -> list[FileRecord]:
+        """Every file recorded so far, of every rank."""
+        return [f for rank in sorted(self._files) for f in self._files[rank][0]]
+
     def missing_ranks(self) -> list[int]:
         """Ranks whose record is not (yet) in the cut's directory."""
         self._require(OPEN, "look for rank records")

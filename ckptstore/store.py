@@ -349,6 +349,13 @@ class Store:
     def _ended(self, pending: PendingCut) -> None:
         self._in_flight.pop(pending.id, None)
 
+    def lock_handoff(self) -> tuple[dict[str, Any], int | None]:
+        """The writer lock as a helper process inherits it (``ckptstore.lock.InheritedLock``): a
+        description and, for a flock, the descriptor to pass along (a rank other than 0 holds none)."""
+        if self.readonly or self.participant:
+            return {"kind": "none"}, None
+        return self._lock.handoff(), self._lock.lock_fd()
+
     def rank_part(self, cut: str, step: int) -> RankPart:
         """This rank's share of cut ``cut`` that rank 0 marked (stores opened with ``group=``)."""
         self._require_writer("writing a rank's part", participant_ok=True)

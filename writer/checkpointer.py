@@ -222,7 +222,7 @@ class Checkpointer:
 
     def _start_writer(self) -> WriterProcess:
         assert self._spec is not None
-        return WriterProcess(self._spec, self.options)
+        return WriterProcess(self._spec, self.options, lock=self.store.lock_handoff())
 
     def _raise_unreported(self) -> None:
         for h in self._handles:
@@ -278,6 +278,7 @@ class Checkpointer:
                          capture_reason=captured.reason, writer_mode=self.options.mode,
                          skipped_total=self.skipped, waited_total=self.waited)
         job = (handle, captured, {"tags": list(tags), "metadata": dict(metadata or {}), "final": final})
+        self._hand_over(handle, captured, job[2])
         if self.options.mode == "inline":
             self._process(*job)
         else:
@@ -325,6 +326,7 @@ class Checkpointer:
             t_commit = time.perf_counter()
             info = pending.commit(tree=captured.tree, pickled=captured.pickled, tags=extra["tags"],
                                   final=extra["final"], metadata=extra["metadata"], mode=self.options.mode)
+            self._end_cut(handle)
             handle.to_committed(info)
             self.events.emit("committed", step=handle.step, cut=handle.id, bytes=info.nbytes,
                              timings={"commit": elapsed(t_commit), "total": elapsed(t0)},
@@ -337,6 +339,7 @@ class Checkpointer:
                     pending.abandon()
                 except BaseException:  # noqa: BLE001 - the cut stays marked; gc removes it
                     pass
+            self._end_cut(handle)
             if not handle.done:
                 handle.to_failed(exc)
             self.events.emit("failed", step=handle.step, cut=handle.id, error=str(exc), error_type=type(exc).__name__,
@@ -361,7 +364,12 @@ class Checkpointer:
                 if self._writer is None:
                     self._writer = self._start_writer()
                 assert self._block is not None
-                done = self._writer.write(self._request(handle, captured), self._block.fd)
+                submitted = handle.request
+                if submitted is not None:
+                    handle.request = None  # answered below, one way or another
+                    done = self._writer.wait_done(submitted)  # type: ignore[arg-type]
+                else:
+                    done = self._writer.write(self._request(handle, captured), self._block.fd)
                 if isinstance(pending, RankPart):
                     pending.written = (done.files, done.tensors)
                 else:
@@ -376,13 +384,46 @@ class Checkpointer:
                 pending.discard_files()
         return self._write_here(captured, pending)
 
-    def _request(self, handle: CutHandle, captured: Captured) -> P.WriteRequest:
+    def _hand_over(self, handle: CutHandle, captured: Captured, extra: dict[str, Any]) -> None:
+        """Process mode: hands the cut to the writer process before the loop goes on, with what it
+        needs to finish the cut alone should this process die from here on (``ckptstore.rescue``).
+        A writer that is gone is left to the commit thread (its fallback)."""
+        if self.options.mode != "process" or self._writer is None or not self._writer.alive:
+            return
+        req = self._request(handle, captured, extra)
+        try:
+            assert self._block is not None
+            self._writer.submit(req, self._block.fd)
+        except (WriterDied, OSError):
+            return
+        handle.request = req
+        handle.handed_over = True
+
+    def _end_cut(self, handle: CutHandle) -> None:
+        """The cut is committed or abandoned: the writer process forgets it (nothing to rescue). A
+        request handed over but never waited for (the cut failed before its write) is drained first,
+        so the next request's answer is not this one's."""
+        if handle.request is not None and self._writer is not None:
+            req, handle.request = handle.request, None
+            try:
+                self._writer.wait_done(req)  # type: ignore[arg-type]
+            except BaseException:  # noqa: BLE001 - the cut failed already; a broken writer is replaced
+                self._close_writer()
+        if handle.handed_over and self._writer is not None:
+            self._writer.end(handle.id)
+
+    def _request(self, handle: CutHandle, captured: Captured, extra: dict[str, Any] | None = None) -> P.WriteRequest:
         assert self._block is not None
         codec = self.store.shard_codec()
+        ranks = self.store.ranks
+        finish = None if extra is None else P.Finish(
+            tree=captured.tree, pickled=captured.pickled, tags=list(extra["tags"]), final=bool(extra["final"]),
+            metadata=dict(extra["metadata"]), mode=self.options.mode, world_size=ranks.size if ranks else 1,
+            rank_timeout=ranks.rank_timeout if ranks else 300.0, stall_timeout=self.options.write_timeout)
         return P.WriteRequest(cut=handle.id, step=handle.step, block=self._block.name, block_size=self._block.size,
                               slots=list(captured.plan.slots), codec=codec.name,  # type: ignore[arg-type]
                               zstd_level=codec.level, max_shard_bytes=self.store.options.max_shard_bytes,
-                              rank=self.store.ranks.rank if self.store.ranks is not None else 0)
+                              rank=ranks.rank if ranks is not None else 0, finish=finish)
 
     def _write_here(self, captured: Captured, pending: PendingCut | RankPart
                     ) -> tuple[list[FileRecord], dict[str, float]]:

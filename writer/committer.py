@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
+
 from ckptstore.info import CutInfo
 
 from .errors import IllegalTransition, WriterError
@@ -43,6 +45,9 @@ class CutHandle:
         self.reported = False  # the error reached the caller (wait/maybe_cut/close)
         self.timings: dict[str, float] = {}
         self.fallback: str | None = None
+        #: The request handed to the writer process at capture (process mode) until its answer is read.
+        self.request: Any = None
+        self.handed_over = False
 
     @property
     def state(self) -> str:

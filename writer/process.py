@@ -13,9 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from ckptstore.errors import CkptStoreError, StorageError
 from ckptstore.storage import StorageSpec
@@ -32,9 +33,13 @@ class WriterProcess:
     #: (tests/writer/fault_worker.py) by passing ``command``; nothing of that travels in the protocol.
     COMMAND = (sys.executable, "-m", "ckptstore.writer.worker")
 
-    def __init__(self, spec: StorageSpec, options: WriterOptions, *, command: Sequence[str] | None = None) -> None:
+    def __init__(self, spec: StorageSpec, options: WriterOptions, *, command: Sequence[str] | None = None,
+                 lock: tuple[dict[str, Any], int | None] = ({"kind": "none"}, None)) -> None:
+        """``lock``: the trainer's writer lock as ``Store.lock_handoff()`` describes it, inherited by the
+        process so it can finish a cut should the trainer die (``ckptstore.rescue``)."""
         self.store_url = store_url = spec.url
         self.options = options
+        self._send_lock = threading.Lock()  # the commit thread and the loop both send
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [*(command or self.COMMAND), "--sock-fd", str(child_end.fileno()),
                "--parent", str(os.getpid()), "--nice", str(options.nice),
@@ -63,9 +68,14 @@ class WriterProcess:
             raise WriterError(f"writer process sent {hello.kind!r} instead of hello", store=store_url)
         self.hello = hello
         self.pid = self.proc.pid
+        handoff, lock_fd = lock
+        if handoff.get("kind") == "flock" and lock_fd is None:
+            handoff = {"kind": "none"}
         try:
-            P.send(self._req, P.OpenStore(url=spec.url, storage_options=spec.storage_options))
-        except P.ChannelClosed:
+            P.send(self._req, P.OpenStore(url=spec.url, storage_options=spec.storage_options, lock=handoff))
+            if handoff.get("kind") == "flock":
+                P.send_fd(self._req, lock_fd)  # type: ignore[arg-type]
+        except (P.ChannelClosed, OSError):
             raise self._death(None, None) from None
         self.last_phase = "idle"
 
@@ -86,14 +96,33 @@ class WriterProcess:
     def write(self, req: P.WriteRequest, block_fd: int) -> P.WriteDone:
         """Sends one request (and the block's descriptor, the first time this writer sees that block)
         and waits for its answer (bounded; see the module docstring)."""
+        self.submit(req, block_fd)
+        return self.wait_done(req)
+
+    def submit(self, req: P.WriteRequest, block_fd: int) -> None:
+        """Hands a request over (the trainer may die from here on: with ``req.finish`` the writer
+        finishes the cut alone)."""
         self.last_phase = f"writing {req.cut}"
         try:
-            P.send(self._req, req)
-            if self._block_sent != req.block:
-                P.send_fd(self._req, block_fd)
-                self._block_sent = req.block
+            with self._send_lock:
+                P.send(self._req, req)
+                if self._block_sent != req.block:
+                    P.send_fd(self._req, block_fd)
+                    self._block_sent = req.block
         except (P.ChannelClosed, OSError):
             raise self._death(req.step, req.cut) from None
+
+    def end(self, cut: str) -> None:
+        """Tells the writer that ``cut`` was committed or abandoned (nothing left to rescue). Best
+        effort: a writer that cannot hear it is dead or will be replaced."""
+        try:
+            with self._send_lock:
+                P.send(self._req, P.CutEnded(cut=cut))
+        except (P.ChannelClosed, OSError):
+            pass
+
+    def wait_done(self, req: P.WriteRequest) -> P.WriteDone:
+        """Waits for the answer to a submitted request (bounded; see the module docstring)."""
         while True:
             try:
                 msg = P.recv(self._rep, timeout=self.options.write_timeout)
@@ -120,7 +149,8 @@ class WriterProcess:
         """Graceful shutdown, then kill. Idempotent."""
         if self.proc.returncode is None:
             try:
-                P.send(self._req, P.Shutdown())
+                with self._send_lock:
+                    P.send(self._req, P.Shutdown())
                 self.proc.wait(timeout=timeout)
             except (P.ChannelClosed, subprocess.TimeoutExpired, OSError):
                 self.kill()

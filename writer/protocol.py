@@ -38,11 +38,30 @@ class Hello(StrictModel):
 class OpenStore(StrictModel):
     """The store the worker writes into: what ``Storage.spec()`` says (URL and fsspec options, e.g.
     an endpoint and credentials). Sent once after the handshake, over the socket (never on the command
-    line, where other users could read credentials)."""
+    line, where other users could read credentials). ``lock`` is the trainer's writer lock as a
+    rescuer needs it (``WriterLock.handoff()``): with kind "flock" the frame is followed by the lock
+    file's descriptor, so the lock outlives a trainer that dies while its writer finishes a cut."""
 
     kind: Literal["open"] = "open"
     url: str
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    lock: dict[str, Any] = Field(default_factory=dict)
+
+
+class Finish(StrictModel):
+    """How the cut of a request is finished should the trainer die before it ends it (the rescue):
+    what its commit thread would have committed. ``rank_timeout``: how long rank 0's rescuer waits
+    for a rank record that does not come."""
+
+    tree: dict[str, Any]
+    pickled: bool
+    tags: list[str]
+    final: bool
+    metadata: dict[str, Any]
+    mode: str
+    world_size: int = 1
+    rank_timeout: float = 300.0
+    stall_timeout: float = 600.0
 
 
 class WriteRequest(StrictModel):
@@ -59,6 +78,14 @@ class WriteRequest(StrictModel):
     zstd_level: int = 1
     max_shard_bytes: int = Field(ge=1)
     rank: int = 0
+    finish: Finish | None = None
+
+
+class CutEnded(StrictModel):
+    """The trainer committed or abandoned ``cut``: nothing is left for a rescue."""
+
+    kind: Literal["ended"] = "ended"
+    cut: str
 
 
 class Progress(StrictModel):
@@ -87,7 +114,7 @@ class Shutdown(StrictModel):
     kind: Literal["shutdown"] = "shutdown"
 
 
-Message = Union[Hello, OpenStore, WriteRequest, Progress, WriteDone, WriteFailed, Shutdown]
+Message = Union[Hello, OpenStore, WriteRequest, CutEnded, Progress, WriteDone, WriteFailed, Shutdown]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(Message)
 
 

@@ -150,6 +150,7 @@ class RankedCuts:
                        capture_reason=captured.reason, writer_mode=ck.options.mode, world_size=self.ranks.size,
                        skipped_total=ck.skipped, waited_total=ck.waited)
         job = (handle, captured, {"tags": list(tags), "metadata": dict(metadata or {}), "final": final})
+        ck._hand_over(handle, captured, job[2])
         if ck.options.mode == "inline":
             self.process(*job)
         else:
@@ -238,6 +239,7 @@ class RankedCuts:
                                               ranks=[0], **where)
                 except BaseException as exc:  # noqa: BLE001
                     failure = err if err is not None else exc
+        ck._end_cut(handle)
         if failure is not None:
             if not handle.done:
                 handle.to_failed(failure)

@@ -2,14 +2,19 @@
 
 Started once per Checkpointer as a fresh interpreter (``python -m ckptstore.writer.worker``, the
 spawn model: nothing inherited but one end of a Unix socket pair), at nice 10. It never imports torch: everything it
-needs is bytes in the block plus the small request (names, dtypes, shapes, offsets). It never commits:
-the trainer's commit thread does that once the files are durable.
+needs is bytes in the block plus the small request (names, dtypes, shapes, offsets). While its
+trainer lives it never commits: the trainer's commit thread does that once the files are durable.
 
 It notices its parent's death two ways: the socket reaches EOF, and a watchdog thread sees its parent
-pid change (even while a shard is being written). Either way it exits at once without committing; the
-shared block has no name, so the kernel frees it with the last mapping; the cut's mark stays, so the
-store's gc removes the partial files. (PR_SET_PDEATHSIG is not used: it fires when the *thread* that
-started the process ends, such as a commit thread, not only when the trainer dies.)
+pid change (even while a shard is being written). With no cut in hand it exits at once. With a cut
+handed over and not yet ended by the trainer (a request carrying its ``finish`` plan), it **finishes
+the cut alone** (:mod:`ckptstore.rescue`): it completes the write, then commits (one rank) or publishes
+its rank record and, on rank 0, commits once every rank's record is there, under the writer lock it
+inherited, and exits. A rescue that makes no progress for the plan's ``stall_timeout`` ends the
+process anyway, so nothing is orphaned; what it leaves is marked and the store's gc removes it. The
+shared block has no name, so the kernel frees it with the last mapping. (PR_SET_PDEATHSIG is not used:
+it fires when the *thread* that started the process ends, such as a commit thread, not only when the
+trainer dies.)
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from typing import Any
 
 from ckptstore.errors import CkptStoreError
 from ckptstore.gcpause import pausing
+from ckptstore.lock import InheritedLock
+from ckptstore.protocol import CommitProtocol
 from ckptstore.shards import Codec, write_shards
 from ckptstore.storage import Storage, StorageSpec, open_spec
 
@@ -44,31 +51,91 @@ class Worker:
         self.hash_threads = hash_threads
         self.blocks: dict[str, Block] = {}
         self.storage: Storage | None = None
+        self.lock: dict[str, Any] = {"kind": "none"}
+        self.lock_fd: int | None = None
+        #: The cut handed over and not yet ended by the trainer, with this process's result once written.
+        self.pending: tuple[P.WriteRequest, P.WriteDone | None] | None = None
+        self.parent_gone = False
+        self.last_progress = time.monotonic()
 
     # lifecycle -------------------------------------------------------------------------------------
     def orphaned(self, *_: Any) -> None:
-        """The trainer is gone: stop at once without committing (the kernel frees the block)."""
+        """The trainer is gone. Nothing in hand: stop at once (the kernel frees the block). A cut in
+        hand: the main thread finishes it (``rescue``), under a stall deadline."""
+        if self.pending is None or self.pending[0].finish is None:
+            os._exit(0)
+        if not self.parent_gone:
+            self.parent_gone = True
+            self.last_progress = time.monotonic()
+            threading.Thread(target=self.rescue_deadline, name="ckptstore-rescue-deadline", daemon=True).start()
+
+    def rescue_deadline(self) -> None:
+        pending = self.pending
+        limit = pending[0].finish.stall_timeout if pending is not None and pending[0].finish is not None else 0.0
+        while time.monotonic() - self.last_progress <= limit:
+            time.sleep(0.2)
+        sys.stderr.write(f"ckptstore writer {os.getpid()}: no progress for {limit:g} s finishing a dead "
+                         "trainer's cut; exiting (the store's gc removes what is left)\n")
         os._exit(0)
 
     def watch_parent(self, interval: float = 0.2) -> None:
-        """Runs in a daemon thread: exits the process as soon as the parent is gone."""
+        """Runs in a daemon thread: reacts as soon as the parent is gone."""
         while True:
             if os.getppid() != self.parent:
                 self.orphaned()
+                return
             time.sleep(interval)
+
+    def rescue(self) -> int:
+        """Finishes the cut in hand after the trainer died, then exits (see the module docstring)."""
+        assert self.pending is not None
+        req, done = self.pending
+        if done is None or req.finish is None:
+            return 0
+        f = req.finish
+        assert self.storage is not None
+        lock = InheritedLock(self.storage, self.lock, self.lock_fd)
+        self.lock_fd = None
+        from ckptstore.rescue import finish_orphaned_cut
+
+        def log(message: str) -> None:
+            sys.stderr.write(f"ckptstore writer {os.getpid()}: {message}\n")
+
+        try:
+            outcome = finish_orphaned_cut(
+                self.storage, lock.ensure_held, cut=req.cut, step=req.step, rank=req.rank, files=done.files,
+                tensors=done.tensors, tree=f.tree, pickled=f.pickled, tags=f.tags, final=f.final,
+                metadata=f.metadata, mode=f.mode, world_size=f.world_size, rank_timeout=f.rank_timeout, log=log)
+            log(f"the trainer died; finished cut {req.cut}: {outcome}")
+        except BaseException as exc:  # noqa: BLE001 - nothing to report to: the store's gc cleans up
+            log(f"the trainer died; could not finish cut {req.cut}: {type(exc).__name__}: {exc}")
+        finally:
+            lock.release()
+        for block in self.blocks.values():
+            block.close()
+        return 0
 
     def serve(self) -> int:
         self.send(P.Hello(pid=os.getpid(), nice=os.nice(0), modules_with_torch="torch" in sys.modules))
         while True:
+            if self.parent_gone:
+                return self.rescue()
             try:
                 msg = P.recv(self.sock)
                 if isinstance(msg, P.WriteRequest) and msg.block not in self.blocks:
                     self.attach(msg.block, msg.block_size, P.recv_fd(self.sock))
+                if isinstance(msg, P.OpenStore) and msg.lock.get("kind") == "flock":
+                    self.lock_fd = P.recv_fd(self.sock)
             except P.ChannelClosed:
                 self.orphaned()
-                return 0
+                return self.rescue()
             if isinstance(msg, P.OpenStore):
                 self.spec, self.storage = StorageSpec(msg.url, msg.storage_options), None
+                self.lock = dict(msg.lock)
+                continue
+            if isinstance(msg, P.CutEnded):
+                if self.pending is not None and self.pending[0].cut == msg.cut:
+                    self.pending = None
                 continue
             if isinstance(msg, P.Shutdown):
                 for block in self.blocks.values():
@@ -78,6 +145,8 @@ class Worker:
                 self.handle(msg)
 
     def send(self, msg: P.StrictModel) -> None:
+        if self.parent_gone:
+            return
         try:
             P.send(self.sock, msg)
         except P.ChannelClosed:
@@ -90,9 +159,11 @@ class Worker:
         self.blocks[name] = Block.attach(fd, size, name)
 
     def handle(self, req: P.WriteRequest) -> None:
+        self.pending = (req, None) if req.finish is not None else None
         try:
             done = self.write(req)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, typed, to the parent
+            self.pending = None  # nothing to finish: the mark stays and gc removes what was written
             fields = {}
             if isinstance(exc, CkptStoreError):
                 fields = {"store": exc.store, "cut": exc.cut, "path": exc.path, "hint": exc.hint,
@@ -100,6 +171,8 @@ class Worker:
             self.send(P.WriteFailed(cut=req.cut, error_type=type(exc).__name__, message=getattr(
                 exc, "message", str(exc)), fields=fields))
             return
+        if self.pending is not None:
+            self.pending = (req, done)
         self.send(done)
 
     @pausing
@@ -109,6 +182,9 @@ class Worker:
             if self.spec is None:
                 raise RuntimeError("the parent sent a write before naming the store")
             self.storage = open_spec(self.spec)
+        # The request may arrive before the trainer's commit thread marked the cut (it is handed over
+        # at capture): the cut's directory may not exist yet.
+        CommitProtocol(self.storage).open_rank_dir(req.cut)
         block = self.blocks[req.block]
         items = [s.item(block.view) for s in req.slots]
         timings: dict[str, float] = {}
@@ -135,6 +211,7 @@ class _Progress:
     def __call__(self, n: int) -> None:
         self.done += n
         now = time.monotonic()
+        self.worker.last_progress = now
         if now - self.last >= 0.2:
             self.last = now
             self.worker.send(P.Progress(cut=self.req.cut, bytes_done=self.done))
@@ -161,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hash-threads", type=int, default=1)
     args = ap.parse_args(argv)
     worker = Worker(args.sock_fd, args.parent, hash_threads=max(1, args.hash_threads))
-    signal.signal(signal.SIGTERM, worker.orphaned)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0) if worker.pending is None else None)
     if os.getppid() != args.parent:  # the parent died before we got here
         return 0
     threading.Thread(target=worker.watch_parent, name="ckptstore-watch-parent", daemon=True).start()

@@ -139,8 +139,9 @@ def scenario_resume(job: Job) -> dict[str, Any]:
     with job.open(create=False) as store:
         latest = store.latest()
         back = store.load(rank=job.rank)
-        res = {"latest_step": latest.step, "world_size": latest.world_size,
-               "state_ok": same(back, state_of(job.rank, latest.step))}
+        mib = job.cfg.get("resume_mib")
+        want = big_state(job.rank, latest.step, mib) if mib else state_of(job.rank, latest.step)
+        res = {"latest_step": latest.step, "world_size": latest.world_size, "state_ok": same(back, want)}
         info = job.save(store, latest.step + 10)
         res["saved"] = info.step
         if job.rank == 0:
@@ -216,6 +217,17 @@ def scenario_ck_kill(job: Job) -> dict[str, Any]:
     except ckptstore.CkptStoreError as exc:
         res["close"] = failure(exc)
     return res
+
+
+def scenario_ck_all_die(job: Job) -> dict[str, Any]:
+    """Every trainer is SIGKILLed right after the cut of step 2 was handed to its writer process."""
+    ck, _ = checkpointer(job, every=1)
+    ck.cut(1, state_of(job.rank, 1), final=True)
+    h = ck.maybe_cut(2, big_state(job.rank, 2, 32))
+    with open(os.path.join(job.cfg["out_dir"], f"rank{job.rank}.json"), "w") as f:
+        json.dump({"cut": h.id, "writer_pid": ck.writer_pid}, f)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {}
 
 
 def fsdp_model() -> tuple[Any, Any]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 import ckptstore
@@ -75,3 +78,31 @@ def test_background_cuts_of_two_ranks_on_the_s3_server(tmp_path, s3_url):
     with ckptstore.Store.open(url, readonly=True, options=ckptstore.StoreOptions(storage_options=opts)) as store:
         assert store.latest().final and store.latest().world_size == 2
         assert store.verify().ok
+
+
+def test_all_trainers_killed_right_after_capture_and_the_cut_still_commits(tmp_path):
+    url = str(tmp_path / "store")
+    res = run_job(str(tmp_path / "out"), 2, "ck_all_die", url=url, timeout=120)
+    assert all(r.killed and r.result for r in res), describe(res)
+    cut = res[0].result["cut"]
+    assert res[1].result["cut"] == cut
+    for r in res:  # every orphaned writer finishes its part and exits by itself
+        assert gone_within(r.result["writer_pid"], 60), f"rank {r.rank}'s writer still runs"
+    with ckptstore.Store.open(url, readonly=True) as store:
+        latest = store.latest()
+        assert latest.id == cut and latest.world_size == 2, "the handed-over cut was lost"
+        assert store.manifest().writer.mode == "rescue:process"
+        assert store.verify().ok
+    res2 = run_job(str(tmp_path / "out2"), 2, "resume", url=url, resume_mib=32)
+    assert all(r.result and r.result["latest_step"] == 2 and r.result["state_ok"] for r in res2), describe(res2)
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False

@@ -38,7 +38,8 @@ def inject(ck: object, kind: str) -> None:
 
     ck._close_writer()  # type: ignore[attr-defined]
     ck._writer = WriterProcess(ck.store.storage.spec(), ck.options,  # type: ignore[attr-defined]
-                               command=[sys.executable, os.path.abspath(__file__), "--fault", kind])
+                               command=[sys.executable, os.path.abspath(__file__), "--fault", kind],
+                               lock=ck.store.lock_handoff())  # type: ignore[attr-defined]
 
 
 def main(argv: list[str]) -> int:

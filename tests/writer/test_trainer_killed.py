@@ -1,6 +1,7 @@
-"""The trainer is SIGKILLed while its writer process is mid-cut (failure-modes S15b): the writer notices
-(parent-death signal / pipe EOF), unlinks the shared block and exits by itself without committing; the
-previous cut stays LATEST; the next open recovers the leftovers and the store verifies."""
+"""The trainer is SIGKILLed while its writer process is mid-cut (failure-modes S15b) and the writer
+cannot finish (it hangs): the writer notices the death, tries to finish the cut alone under the lock it
+inherited, gives up at its stall deadline and exits; the previous cut stays LATEST; the next open
+recovers the leftovers and the store verifies. (A writer that can finish commits: test_rescue.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from ckptstore import Store, StoreOptions
+import pytest
+
+from ckptstore import Store, StoreLocked, StoreOptions
 from ckptstore.writer.shm import leftover_segments
 from writerkit import BOUND, check_store, has_exited, wait_until
 
@@ -53,6 +56,12 @@ def test_trainer_sigkilled_mid_cut(url):
 
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(BOUND) == -signal.SIGKILL
+        # The orphaned writer tries to finish the cut it was handed (it hangs: the injected fault) and
+        # holds the inherited writer lock meanwhile, so no new writer collects the cut under it...
+        assert not has_exited(writer_pid)
+        with pytest.raises(StoreLocked):
+            Store.open(url)
+        # ...until its stall deadline (the trainer's write_timeout, 6 s) ends it.
         wait_until(lambda: has_exited(writer_pid), timeout=BOUND, what=f"orphaned writer {writer_pid} exit")
         assert leftover_segments(proc.pid) == []  # the writer unlinked the dead trainer's block
     finally:

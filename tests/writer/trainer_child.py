@@ -23,7 +23,8 @@ def main() -> int:
     url = sys.argv[1]
     # numpy arrays: the same capture path as CPU tensors, without paying torch's import in a subprocess
     state = {f"w{i}": np.full(64 * 1024, float(i), dtype=np.float32) for i in range(4)}
-    ck = Checkpointer(url, every=1, mode="process", write_timeout=300)
+    # write_timeout bounds how long the orphaned, hung writer tries to finish the cut alone (the rescue)
+    ck = Checkpointer(url, every=1, mode="process", write_timeout=6)
     info = ck.cut(1, state).wait(60)
     inject(ck, "hang-mid-shard")  # a writer process that hangs halfway through its next cut
     say(event="first", cut=info.id, pid=os.getpid(), writer_pid=ck.writer_pid)
