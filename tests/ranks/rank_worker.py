@@ -230,6 +230,51 @@ def scenario_ck_all_die(job: Job) -> dict[str, Any]:
     return {}
 
 
+def scenario_restore_other_world(job: Job) -> dict[str, Any]:
+    with job.open(create=False) as store:
+        try:
+            ckptstore.restore(store, group=dist.group.WORLD)
+        except ckptstore.CkptStoreError as exc:
+            return failure(exc)
+        return {"ok": True}
+
+
+def scenario_ck_capture_fails(job: Job) -> dict[str, Any]:
+    """Rank 1's state holds a value that cannot be stored: every rank raises at that maybe_cut, and the
+    next cut works."""
+    ck, _ = checkpointer(job, every=1)
+    ck.cut(1, state_of(job.rank, 1), final=True)
+    state = state_of(job.rank, 2)
+    if job.rank == 1:
+        state["oops"] = object()
+    try:
+        ck.maybe_cut(2, state)
+    except ckptstore.CkptStoreError as exc:
+        res = failure(exc)
+    else:
+        res = {"ok": True}
+    res["next"] = ck.cut(3, state_of(job.rank, 3), final=True).wait().step
+    ck.close()
+    return res
+
+
+def scenario_ck_writer_dies(job: Job) -> dict[str, Any]:
+    """Rank 1's writer process is SIGKILLed halfway through its part of cut 2: that rank writes its
+    part itself from the same block (fallback) and the cut commits whole."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "writer"))
+    from fault_worker import inject
+
+    ck, events = checkpointer(job, every=1)
+    ck.cut(1, state_of(job.rank, 1), final=True)
+    if job.rank == 1:
+        inject(ck, "sigkill-mid-shard")
+    info = ck.cut(2, big_state(job.rank, 2, 4), final=True).wait()
+    ck.close()
+    back = ckptstore.load(job.url, rank=job.rank)
+    return {"step": info.step, "world_size": info.world_size, "same": same(back, big_state(job.rank, 2, 4)),
+            "fallbacks": [e["step"] for e in events if e["event"] == "fallback"]}
+
+
 def fsdp_model() -> tuple[Any, Any]:
     from torch.distributed.fsdp import fully_shard
 

@@ -106,3 +106,36 @@ def gone_within(pid: int, seconds: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_a_ranks_writer_process_dies_and_that_rank_writes_its_part_itself(tmp_path):
+    url = str(tmp_path / "store")
+    res = run_job(str(tmp_path / "out"), 2, "ck_writer_dies", url=url)
+    assert all(r.result and r.result.get("same") for r in res), describe(res)
+    assert res[1].result["fallbacks"] == [2] and res[0].result["fallbacks"] == []
+    assert all(r.result["step"] == 2 and r.result["world_size"] == 2 for r in res)
+    with ckptstore.Store.open(url, readonly=True) as store:
+        assert store.verify().ok
+
+
+def test_restoring_a_cut_of_another_world_size_is_refused_by_name(tmp_path):
+    url = str(tmp_path / "store")
+    res = run_job(str(tmp_path / "out"), 2, "save_load", url=url)
+    assert all(r.result and r.result.get("loaded_same") for r in res), describe(res)
+    res3 = run_job(str(tmp_path / "out3"), 3, "restore_other_world", url=url)
+    for r in res3:
+        assert r.result["error_type"] == "UsageError", describe(res3)
+        assert "holds 2 rank(s) but this job has 3" in r.result["error"]
+    with pytest.raises(ckptstore.UsageError, match="world size 2"):
+        ckptstore.restore(url)  # one process: names the cut's world size
+
+
+def test_a_capture_that_fails_on_one_rank_fails_the_cut_on_every_rank(tmp_path):
+    url = str(tmp_path / "store")
+    res = run_job(str(tmp_path / "out"), 2, "ck_capture_fails", url=url)
+    by = {r.rank: r.result for r in res}
+    assert by[1]["error_type"] == "UnsupportedValue", describe(res)
+    assert by[0]["error_type"] == "RankFailure" and by[0]["failed_ranks"] == [1], describe(res)
+    assert by[0]["next"] == by[1]["next"] == 3
+    with ckptstore.Store.open(url, readonly=True) as store:
+        assert [c.step for c in store.cuts()] == [1, 3]
