@@ -174,12 +174,7 @@ class InheritedLock:
                 pass
             self.fd = None
         if self.kind == "lease" and self.tag is not None:
-            try:
-                tag, _ = self.storage.version(layout.LEASE_FILE)
-                if tag == self.tag:
-                    self.storage.delete(layout.LEASE_FILE, durable=False)
-            except Exception:  # noqa: BLE001 - an unreleased lease only expires after the ttl
-                pass
+            _delete_lease_if(self.storage, self.tag)
 
 
 class Lease:
@@ -277,9 +272,14 @@ class Lease:
             self._thread.join(timeout=self.ttl_s)
         if self.lost:
             return
-        try:
-            tag, _ = self.storage.version(layout.LEASE_FILE)
-            if tag == self.tag:
-                self.storage.delete(layout.LEASE_FILE, durable=False)
-        except Exception:  # noqa: BLE001 - an unreleased lease only expires after the ttl
-            pass
+        _delete_lease_if(self.storage, self.tag)
+
+
+def _delete_lease_if(storage: Storage, tag: str) -> None:
+    """Gives the lease up when it is still the version ``tag`` this process wrote last."""
+    try:
+        current, _ = storage.version(layout.LEASE_FILE)
+        if current == tag:
+            storage.delete(layout.LEASE_FILE, durable=False)
+    except Exception:  # noqa: BLE001 - an unreleased lease only expires after the ttl
+        pass

@@ -269,14 +269,20 @@ class Checkpointer:
             self.events.emit("failed", step=step, cut=handle.id, stage="capture", error=str(exc),
                              error_type=type(exc).__name__)
             raise
+        return self._launch(handle, captured, tags=tags, metadata=metadata, final=final)
+
+    def _launch(self, handle: CutHandle, captured: Captured, *, tags: Sequence[str], metadata: dict[str, Any] | None,
+                final: bool, **event: Any) -> CutHandle:
+        """A captured cut goes on its way: recorded as the one in flight, announced (``captured``),
+        handed to the writer process, queued for the commit thread (or processed here, inline)."""
         handle.to_writing()
-        self._last_step = step
+        self._last_step = handle.step
         self._current = handle
         self._handles.append(handle)
-        self.events.emit("captured", step=step, cut=handle.id, stall_s=round(captured.seconds, 6),
+        self.events.emit("captured", step=handle.step, cut=handle.id, stall_s=round(captured.seconds, 6),
                          bytes=captured.plan.payload, tensors=len(captured.plan.slots), capture_mode=captured.mode,
                          capture_reason=captured.reason, writer_mode=self.options.mode,
-                         skipped_total=self.skipped, waited_total=self.waited)
+                         skipped_total=self.skipped, waited_total=self.waited, **event)
         job = (handle, captured, {"tags": list(tags), "metadata": dict(metadata or {}), "final": final})
         self._hand_over(handle, captured, job[2])
         if self.options.mode == "inline":

@@ -141,21 +141,7 @@ class RankedCuts:
                            error_type=type(err).__name__)
             raise err
         assert captured is not None
-        handle.to_writing()
-        ck._last_step = step
-        ck._current = handle
-        ck._handles.append(handle)
-        ck.events.emit("captured", step=step, cut=handle.id, stall_s=round(captured.seconds, 6),
-                       bytes=captured.plan.payload, tensors=len(captured.plan.slots), capture_mode=captured.mode,
-                       capture_reason=captured.reason, writer_mode=ck.options.mode, world_size=self.ranks.size,
-                       skipped_total=ck.skipped, waited_total=ck.waited)
-        job = (handle, captured, {"tags": list(tags), "metadata": dict(metadata or {}), "final": final})
-        ck._hand_over(handle, captured, job[2])
-        if ck.options.mode == "inline":
-            self.process(*job)
-        else:
-            ck._jobs.put(job)
-        return handle
+        return ck._launch(handle, captured, tags=tags, metadata=metadata, final=final, world_size=self.ranks.size)
 
     def wait_committed(self, handle: CutHandle) -> CutInfo:
         """``cut(final=True)``: every rank waits for the outcome, which is the same on every rank."""
