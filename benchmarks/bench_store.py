@@ -832,6 +832,9 @@ def write_doc(path: str, body: str) -> None:
         "write+fsync ~1.6-1.9 GB/s; buffered writes 0.2-1.5 GB/s because fresh page-cache pages are slow on this",
         "VM; cold sequential reads ~0.7-1.4 GB/s).",
         "",
+        "Several ranks (a 2-rank Checkpointer beside 1 rank and DCP's `async_save`): docs/benchmarks-ranks.md.",
+        "The background writer: docs/benchmarks-writer.md.",
+        "",
     ]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
