@@ -175,11 +175,37 @@ def scenario_ck_loop(job: Job) -> dict[str, Any]:
             taken.append(step)
     final = job.cfg.get("steps", 10)
     info = ck.cut(final, state_of(job.rank, final), final=True).wait()
+    writer_pid = ck.writer_pid
     ck.close()
+    from ckptstore.writer.shm import leftover_segments
+
+    leaks = {"shm": leftover_segments(os.getpid()), "writer_alive": writer_pid is not None and _alive(writer_pid)}
     back = ckptstore.load(job.url, rank=job.rank, storage_options=job.cfg.get("storage_options"))
     return {"taken": taken, "skipped": ck.skipped, "final": info.to_json(), "same": same(back, state_of(job.rank, final)),
+            "leaks": leaks,
             "event_ranks": sorted({e.get("rank") for e in events}),
             "kinds": sorted({e["event"] for e in events})}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def scenario_rank0_alone(job: Job) -> dict[str, Any]:
+    """A DDP-style job where only rank 0 checkpoints, without group=: nothing is collective, so the
+    other ranks never take part and nobody waits for them."""
+    from ckptstore.writer import Checkpointer
+
+    if job.rank == 0:
+        with Checkpointer(job.url, every=1) as ck:
+            ck.cut(1, state_of(0, 1), final=True)
+        info = ckptstore.Store.open(job.url, readonly=True).latest()
+        return {"world_size": info.world_size, "step": info.step}
+    return {"idle": True}
 
 
 def scenario_ck_mismatch(job: Job) -> dict[str, Any]:
@@ -223,7 +249,7 @@ def scenario_ck_all_die(job: Job) -> dict[str, Any]:
     """Every trainer is SIGKILLed right after the cut of step 2 was handed to its writer process."""
     ck, _ = checkpointer(job, every=1)
     ck.cut(1, state_of(job.rank, 1), final=True)
-    h = ck.maybe_cut(2, big_state(job.rank, 2, 32))
+    h = ck.maybe_cut(2, big_state(job.rank, 2, job.cfg.get("mib", 32)))
     with open(os.path.join(job.cfg["out_dir"], f"rank{job.rank}.json"), "w") as f:
         json.dump({"cut": h.id, "writer_pid": ck.writer_pid}, f)
     os.kill(os.getpid(), signal.SIGKILL)
