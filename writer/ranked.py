@@ -93,10 +93,12 @@ class RankedCuts:
         elif ck._last_step is not None and step <= ck._last_step:
             local = StepConflict(f"step {step} is not above the last cut's step {ck._last_step}", store=ck.store.url)
         proposal = layout.new_cut_id(step) if self.ranks.rank == 0 and local is None else None
+        # A rank lost here is named with the last cut taken, which is the one its loss fails.
+        last = {"cut": current.id} if current is not None else {}
         msgs = self.ranks.exchange("cut", {
             **outcome(local), "step": step if local is None else repr(step), "periodic": periodic, "final": final,
             "busy": current is not None and not current.done, "failed": self._unreported(), "cut": proposal,
-        }, **self.where)
+        }, **self.where, **last)
         check_same(msgs, ("step", "periodic", "final"), "maybe_cut/cut", **self.where)
         self._agree_failures(msgs)
         if local is not None:

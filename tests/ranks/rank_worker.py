@@ -223,15 +223,17 @@ def scenario_ck_mismatch(job: Job) -> dict[str, Any]:
 def scenario_ck_kill(job: Job) -> dict[str, Any]:
     ck, _ = checkpointer(job, every=1)
     ck.cut(1, state_of(job.rank, 1), final=True)
-    h = ck.maybe_cut(2, state_of(job.rank, 2))
-    if job.rank == job.victim:
-        os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     res: dict[str, Any] = {}
     try:
+        h = ck.maybe_cut(2, state_of(job.rank, 2))
+        if job.rank == job.victim:
+            os.kill(os.getpid(), signal.SIGKILL)
         h.wait(60)
         res["cut2"] = "committed"
     except ckptstore.CkptStoreError as exc:
+        # The victim may die while this rank still reads the last exchange of maybe_cut (rank 0's
+        # process hosts the rendezvous store here): then maybe_cut itself raises, naming it.
         res["cut2"] = failure(exc)
     res["seconds"] = time.monotonic() - t0
     try:
@@ -252,8 +254,30 @@ def scenario_ck_all_die(job: Job) -> dict[str, Any]:
     h = ck.maybe_cut(2, big_state(job.rank, 2, job.cfg.get("mib", 32)))
     with open(os.path.join(job.cfg["out_dir"], f"rank{job.rank}.json"), "w") as f:
         json.dump({"cut": h.id, "writer_pid": ck.writer_pid}, f)
+    # Every rank is past maybe_cut before any dies: rank 0's process hosts the rendezvous store here
+    # (tcp://), and a rank still reading the last exchange would see it vanish (under torchrun the
+    # agent hosts it). A file barrier, not a collective: nothing of the library is involved.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(job.cfg["out_dir"], f"rank{r}.json")) for r in range(job.cfg["world"])):
+        time.sleep(0.005)
     os.kill(os.getpid(), signal.SIGKILL)
     return {}
+
+
+def scenario_restore_fallback(job: Job) -> dict[str, Any]:
+    """Every rank restores with fallback=True from a store whose LATEST cut is damaged (one byte of
+    rank 1's shard): all agree on the older cut."""
+    with job.open(create=False) as store:
+        holder = {"w": torch.zeros(job.rank + 2, 3)}
+
+        class Into:
+            def load_state_dict(self, sd: dict[str, Any]) -> None:
+                holder.update(sd)
+
+        resumed = ckptstore.restore(store, model=None, fallback=True, group=dist.group.WORLD)
+        return {"step": resumed.step, "skipped": sorted(resumed.skipped), "latest_after": store.latest().step,
+                "same": same(resumed.state, state_of(job.rank, resumed.step))}
 
 
 def scenario_restore_other_world(job: Job) -> dict[str, Any]:

@@ -152,3 +152,21 @@ def test_a_capture_that_fails_on_one_rank_fails_the_cut_on_every_rank(tmp_path):
     assert by[0]["next"] == by[1]["next"] == 3
     with ckptstore.Store.open(url, readonly=True) as store:
         assert [c.step for c in store.cuts()] == [1, 3]
+
+
+def test_restore_with_fallback_is_agreed_by_every_rank(tmp_path):
+    url = str(tmp_path / "store")
+    res = run_job(str(tmp_path / "out"), 2, "save_load", url=url)  # cuts at steps 1 and 2
+    assert all(r.result and r.result.get("loaded_same") for r in res), describe(res)
+    with ckptstore.Store.open(url, readonly=True) as store:
+        m = store.manifest()
+        shard = next(f for f in m.files if f.rank == 1)
+    path = os.path.join(url, "cuts", m.cut, shard.name)
+    with open(path, "r+b") as f:  # flip one byte of rank 1's data: only rank 1 could notice by itself
+        f.seek(shard.nbytes - 1)
+        b = f.read(1)
+        f.seek(shard.nbytes - 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    res2 = run_job(str(tmp_path / "out2"), 2, "restore_fallback", url=url)
+    for r in res2:
+        assert r.result == {"step": 1, "skipped": [m.cut], "latest_after": 1, "same": True}, describe(res2)
