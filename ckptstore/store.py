@@ -365,6 +365,24 @@ class Store:
         self._protocol.open_rank_dir(cut)
         return RankPart(self._protocol, self.storage, cut, step, self.ranks.rank, self.ranks.size)
 
+    def rank_part_for(self, cut: str, step: int, rank: int, world_size: int) -> RankPart:
+        """Rank ``rank``'s share of cut ``cut`` of ``world_size`` ranks that a coordinator elsewhere
+        marked, without a group (``ckptstore.dcp``: the cut travels in DCP's plans). Allowed on a
+        readonly handle: a rank part only writes shards and its record into a marked cut, holds no
+        lock and commits nothing (as a participant does)."""
+        if self._closed:
+            raise UsageError("writing a rank's part on a closed store", store=self.url)
+        layout.check_cut_id(cut, store=self.url)
+        for what, v, low in (("rank", rank, 0), ("world_size", world_size, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= layout.MAX_WORLD_SIZE:
+                raise UsageError(f"{what} must be an int in [{low}, {layout.MAX_WORLD_SIZE}], got {v!r}", store=self.url)
+        if rank >= world_size:
+            raise UsageError(f"rank {rank} is outside world size {world_size}", store=self.url, cut=cut)
+        if layout.step_of_cut_id(cut) != step:
+            raise UsageError(f"cut id {cut} does not match step {step}", store=self.url, cut=cut)
+        self._protocol.open_rank_dir(cut)
+        return RankPart(self._protocol, self.storage, cut, step, rank, world_size)
+
     @pausing
     def save(
         self,

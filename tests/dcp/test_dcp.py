@@ -1,0 +1,250 @@
+"""ckptstore as a torch.distributed.checkpoint backend: StoreWriter / StoreReader, real DCP, real ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckptstore
+from ckptstore.cli import main as cli
+from ckptstore.dcp import METADATA_KEY, StoreReader, StoreWriter, metadata_from_json, metadata_to_json
+from ranks.rankkit import RankResult, _read, describe, free_port
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dcp_worker.py")
+TESTS = os.path.dirname(os.path.dirname(WORKER))
+
+
+def run_dcp_job(out_dir: str, world: int, scenario: str, *, timeout: float = 90, **config: Any) -> list[RankResult]:
+    """rankkit.run_job for dcp_worker.py: one process per rank, gloo, results in out_dir/rank<r>.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        cfg = {"scenario": scenario, "rank": rank, "world": world, "port": port, "out_dir": out_dir, **config}
+        err = open(os.path.join(out_dir, f"rank{rank}.err"), "w")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.getcwd()])}
+        procs.append((subprocess.Popen([sys.executable, WORKER, json.dumps(cfg)], stdout=err, stderr=subprocess.STDOUT,
+                                       env=env), err))
+    deadline = time.monotonic() + timeout
+    for rank, (p, err) in enumerate(procs):
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q, _ in procs:
+                q.kill()
+            raise AssertionError(f"rank {rank} of {scenario!r} still running after {timeout} s:\n"
+                                 + _read(os.path.join(out_dir, f"rank{rank}.err")))
+        err.close()
+    results = []
+    for rank, (p, _) in enumerate(procs):
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        res = json.load(open(path)) if os.path.exists(path) else None
+        results.append(RankResult(rank, p.returncode, res, _read(os.path.join(out_dir, f"rank{rank}.err"))))
+    return results
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
+        yield
+
+
+def _model_and_opt(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(3, 6)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, note: str) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step, "note": note,
+            "bf16": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4) + step}
+
+
+# ------------------------------------------------------------------------------------------ one process
+def test_single_process_save_verify_load_bitwise(tmp_path, capsys):
+    url = str(tmp_path / "store")
+    model, opt = _model_and_opt(0)
+    saved = _state(model, opt, 5, "five")
+    writer = StoreWriter(url, step=5, tags=("dcp",), final=True)
+    dcp.save(saved, storage_writer=writer)
+    assert writer.info is not None and writer.info.step == 5
+
+    with ckptstore.Store.open(url, readonly=True) as store:
+        info = store.latest()
+        assert info.step == 5 and info.tags == ("dcp",) and info.final and info.world_size == 1
+        m = store.manifest()
+        assert m.writer.mode == "dcp" and not m.pickled and METADATA_KEY in m.metadata
+        # byte-IO values are stored as uint8 arrays under "byte_io", never unpickled by ckptstore
+        raw = ckptstore.load(url, rank=0)
+        assert set(raw) == {"tensors", "byte_io"}
+        assert raw["byte_io"] and all(t.dtype == torch.uint8 and t.dim() == 1 for t in raw["byte_io"].values())
+    assert cli(["verify", url]) == 0
+    assert cli(["show", url, "--tensors"]) == 0
+    capsys.readouterr()
+
+    fresh_model, fresh_opt = _model_and_opt(1)
+    target = _state(fresh_model, fresh_opt, 0, "")
+    dcp.load(target, storage_reader=StoreReader(url, cut=5))
+    assert target["step"] == 5 and target["note"] == "five"
+    for k, v in saved["model"].items():
+        assert torch.equal(target["model"][k], v) and target["model"][k].dtype == v.dtype
+    for pid, st in saved["optim"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(target["optim"]["state"][pid][k], v), (pid, k)
+    assert target["optim"]["param_groups"] == saved["optim"]["param_groups"]
+    assert torch.equal(target["bf16"], saved["bf16"])
+    # in place: the model's own parameters now hold the saved values
+    fresh_model.load_state_dict(target["model"])
+    assert all(torch.equal(a, b) for a, b in zip(fresh_model.state_dict().values(), model.state_dict().values()))
+
+
+def test_single_process_steps_latest_keep_and_partial_reads(tmp_path):
+    url = str(tmp_path / "store")
+    model, opt = _model_and_opt(0)
+    for step in (1, 2, 3):
+        dcp.save(_state(model, opt, step, f"s{step}"), storage_writer=StoreWriter(url, step=step, keep=2))
+    with ckptstore.Store.open(url, readonly=True) as store:
+        assert [c.step for c in store.cuts()] == [2, 3] and store.latest().step == 3
+    with pytest.raises(CheckpointException, match="not above the committed LATEST"):
+        dcp.save(_state(model, opt, 3, "x"), storage_writer=StoreWriter(url, step=3))
+    # a load of part of the state reads only those items (ranged reads, each array's blake3 checked)
+    target = {"bf16": torch.zeros(3, 4, dtype=torch.bfloat16), "note": ""}
+    dcp.load(target, storage_reader=StoreReader(url, cut=2))
+    assert target["note"] == "s2" and torch.equal(target["bf16"], torch.arange(12, dtype=torch.bfloat16).reshape(3, 4) + 2)
+    with ckptstore.Store.open(url):  # a writer open (gc): nothing left over by the DCP saves
+        pass
+    assert cli(["verify", url]) == 0
+
+
+def test_corrupted_array_is_refused_on_load(tmp_path):
+    url = str(tmp_path / "store")
+    model, opt = _model_and_opt(0)
+    dcp.save(_state(model, opt, 1, "one"), storage_writer=StoreWriter(url, step=1))
+    m = ckptstore.Store.open(url, readonly=True).manifest()
+    t = next(t for t in m.tensors if t.name.startswith("model.0.weight@"))
+    path = os.path.join(url, "cuts", m.cut, t.file)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) - sum(x.nbytes for x in m.tensors if x.file == t.file) + t.offset] ^= 1
+    open(path, "wb").write(bytes(data))
+    target = {"model": _model_and_opt(1)[0].state_dict()}
+    with pytest.raises(CheckpointException, match="blake3 mismatch"):
+        dcp.load(target, storage_reader=StoreReader(url))
+
+
+def test_metadata_json_round_trip_and_rejects_garbage(tmp_path):
+    url = str(tmp_path / "store")
+    model, opt = _model_and_opt(0)
+    dcp.save(_state(model, opt, 1, "one"), storage_writer=StoreWriter(url, step=1))
+    doc = ckptstore.Store.open(url, readonly=True).manifest().metadata[METADATA_KEY]
+    md = metadata_from_json(doc)
+    assert metadata_to_json(md) == doc
+    assert md.planner_data["optim.param_groups.0.lr"] == ("optim", "param_groups", 0, "lr")
+    bad = {**doc, "state_dict_metadata": [{"fqn": "x", "kind": "tensor", "dtype": "os.system"}]}
+    with pytest.raises(ckptstore.CorruptCut):
+        metadata_from_json(bad)
+
+
+def test_reader_refuses_a_cut_not_written_through_dcp(tmp_path):
+    url = str(tmp_path / "store")
+    with ckptstore.Store.open(url, create=True) as store:
+        store.save({"w": torch.ones(2)}, step=1)
+    with pytest.raises(CheckpointException, match="not written through"):
+        dcp.load({"w": torch.zeros(2)}, storage_reader=StoreReader(url))
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+def test_fsdp2_save_at_2_ranks_loads_at_2_1_and_4(tmp_path):
+    url = str(tmp_path / "store")
+    saved = run_dcp_job(str(tmp_path / "save"), 2, "fsdp_save", url=url)
+    assert all(r.result and r.result["ok"] for r in saved), describe(saved)
+    assert saved[0].result["cut"] == saved[1].result["cut"] and saved[0].result["info"]["world_size"] == 2
+    ref = str(tmp_path / "save" / "full.pt")
+    with ckptstore.Store.open(url, readonly=True) as store:
+        info = store.latest()
+        assert info.step == 3 and info.world_size == 2 and info.tags == ("dcp",)
+        assert store.manifest().writer.mode == "dcp"
+    assert cli(["verify", url]) == 0
+
+    for world in (2, 4):
+        loaded = run_dcp_job(str(tmp_path / f"load{world}"), world, "fsdp_load", url=url, ref=ref)
+        assert all(r.result and r.result["ok"] for r in loaded), describe(loaded)
+        assert all(r.result["extra"] == {"step": 3, "note": "fsdp-run"} for r in loaded)
+        assert loaded[0].result["compared"] >= 8 and loaded[0].result["differ"] == [], loaded[0].result
+
+    # one process, no process group: the full (unsharded) state dict, resharded by DCP
+    full = torch.load(ref, weights_only=True)
+    target = {"model": {k: torch.zeros_like(v) for k, v in full["model"].items()},
+              "optim": {"state": {fqn: {k: torch.zeros_like(v) for k, v in st.items()}
+                                  for fqn, st in full["optim"]["state"].items()},
+                        "param_groups": full["optim"]["param_groups"]},
+              "extra": {"step": 0, "note": ""}}
+    dcp.load(target, storage_reader=StoreReader(url))
+    assert target["extra"] == {"step": 3, "note": "fsdp-run"}
+    for k, v in full["model"].items():
+        assert torch.equal(target["model"][k], v), k
+    for fqn, st in full["optim"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(target["optim"]["state"][fqn][k], v), (fqn, k)
+
+
+def test_a_rank_whose_write_fails_makes_save_raise_and_leaves_latest(tmp_path):
+    url = str(tmp_path / "store")
+    res = run_dcp_job(str(tmp_path / "job"), 2, "write_fails", url=url, victim=1)
+    assert all(r.result and r.result["ok"] for r in res), describe(res)
+    for r in res:
+        assert len(r.result["raised"]) == 2, describe(res)
+        assert all(e and "No space left on device" in e for e in r.result["raised"]), describe(res)
+    r0 = res[0].result
+    # DCP never calls finish after a failed rank: rank 0 holds the lock until the writer is closed
+    assert r0["locked_before_close"] is True
+    assert r0["after_close"] == {"latest_step": 1, "leftovers": [], "cut_dirs": 1}, r0
+    assert r0["after_retry"] == {"cuts": [1, 2], "latest_step": 2, "leftovers": [], "cut_dirs": 2}, r0
+    assert res[1].result["retry_cut"] == r0["retry_cut"]
+    with ckptstore.Store.open(url) as store:
+        assert store.latest().step == 2 and [c.step for c in store.cuts()] == [1, 2]
+        assert store.gc(dry_run=True).removed == []
+    assert cli(["verify", url]) == 0
+
+
+def test_compressed_store_round_trip_reads_whole_shards(tmp_path):
+    url = str(tmp_path / "store")
+    model, opt = _model_and_opt(0)
+    saved = _state(model, opt, 4, "zstd")
+    dcp.save(saved, storage_writer=StoreWriter(url, step=4, options=ckptstore.StoreOptions(compression="zstd")))
+    m = ckptstore.Store.open(url, readonly=True).manifest()
+    assert {f.codec for f in m.files} == {"zstd"}
+    target = {"bf16": torch.zeros(3, 4, dtype=torch.bfloat16), "model": _model_and_opt(1)[0].state_dict(), "note": ""}
+    dcp.load(target, storage_reader=StoreReader(url, cut=m.cut))
+    assert target["note"] == "zstd" and torch.equal(target["bf16"], saved["bf16"])
+    assert all(torch.equal(target["model"][k], v) for k, v in saved["model"].items())
+
+
+def test_rank_part_for_on_a_readonly_handle_checks_its_arguments(tmp_path):
+    url = str(tmp_path / "store")
+    with ckptstore.Store.open(url, create=True) as writer:
+        pending = writer.begin_cut(1, world_size=2)
+        with ckptstore.Store.open(url, readonly=True) as reader:
+            for bad in [dict(rank=2, world_size=2), dict(rank=-1, world_size=2), dict(rank=0, world_size=0)]:
+                with pytest.raises(ckptstore.UsageError):
+                    reader.rank_part_for(pending.id, 1, **bad)
+            with pytest.raises(ckptstore.UsageError, match="does not match step"):
+                reader.rank_part_for(pending.id, 2, 0, 2)
+            with pytest.raises(ckptstore.HostileInput):
+                reader.rank_part_for("../x", 1, 0, 2)
+            part = reader.rank_part_for(pending.id, 1, 1, 2)
+            assert (part.rank, part.world_size, part.id) == (1, 2, pending.id)
+        pending.abandon()
