@@ -84,12 +84,17 @@ def test_a_killed_rank_leaves_latest_or_commits_whole_and_survivors_raise_in_tim
         if latest.step == 2:
             assert phase == "latest-written"
         assert store.verify(latest.id).ok
-    # A restart (new processes, same store) recovers and continues.
-    res2 = run_job(str(tmp_path / "out2"), 2, "resume", url=url)
-    for r in res2:
-        assert r.result and r.result.get("state_ok"), describe(res2)
-        assert r.result["saved"] == latest.step + 10
-    assert res2[0].result["verify_ok"]
+    if (victim, phase) in ((1, "rank-written"), (0, "latest-written")):
+        # A restart (new processes, same store) recovers and continues: one case per victim (each job
+        # costs seconds of interpreter and torch start-up on 2 cores); the others recover in process.
+        res2 = run_job(str(tmp_path / "out2"), 2, "resume", url=url)
+        for r in res2:
+            assert r.result and r.result.get("state_ok"), describe(res2)
+            assert r.result["saved"] == latest.step + 10
+        assert res2[0].result["verify_ok"]
+    else:
+        with ckptstore.Store.open(url) as store:  # the writer open's recovery removes the leftovers
+            assert store.latest().id == latest.id and store.classify().leftovers == []
     leftovers = [n for n in os.listdir(tmp_path / "store" / "cuts")
                  if layout.is_cut_id(n) and not os.path.exists(tmp_path / "store" / "cuts" / n / "MANIFEST.json")]
     assert leftovers == []
