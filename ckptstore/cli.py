@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any, Callable, Sequence
 
-from . import __version__
+from . import __version__, layout
 from .errors import CkptStoreError, CutNotFound, DataError, StorageError, StoreLocked, UsageError
 from .info import CutInfo
 from .manifest import Manifest
@@ -128,9 +128,16 @@ def _cli_rank_part(m: Manifest, rank: int | None, url: str, what: str) -> Manife
 
 
 def _selector(s: str | None) -> str | int:
+    """A cut argument: "latest", a step, or a cut id. Anything else is a bad argument (exit 2), not
+    damage found in the store (exit 1)."""
     if s is None or s == "latest":
         return "latest"
-    return int(s) if s.isdigit() else s
+    if s.isdigit():
+        return int(s)
+    if not layout.is_cut_id(s):
+        raise UsageError(f"refusing cut name {s!r}: give 'latest', a step number or a cut id "
+                         "(step-<12 digits>-<8 hex>)")
+    return s
 
 
 # ---------------------------------------------------------------------------------------- commands

@@ -214,6 +214,9 @@ class Store:
     def _create(storage: Storage) -> None:
         root = storage.local_path("") if storage.capabilities.local_paths else None
         if root is not None:
+            if os.path.lexists(root) and not os.path.isdir(root):
+                raise UsageError("cannot create a store here: the path is a file, not a directory", store=storage.url,
+                                 hint="pick a new or empty directory for the store")
             os.makedirs(root, exist_ok=True)
         for d in (layout.CUTS_DIR, layout.MARKS_DIR, layout.BAD_DIR):
             storage.make_dir(d)

@@ -119,7 +119,11 @@ def test_missing_store_and_bad_args(tmp_path, capsys):
 
 def test_show_hostile_cut_name(store_url, capsys):
     code, _, err = run(capsys, "show", store_url, "../../etc/passwd")
-    assert code in (1, 2) and "refusing cut name" in err
+    assert code == 2 and "refusing cut name" in err  # a bad argument, not damage found (exit 1)
+    for cmd in (["verify", store_url, "--cut", "notacut"], ["diff", store_url, "latest", "nope"],
+                ["export", store_url, "x/../y", "--to", "/tmp/never-written"]):
+        code, _, err = run(capsys, *cmd)
+        assert code == 2 and "refusing cut name" in err, cmd
 
 
 def test_real_subprocess(store_url):
