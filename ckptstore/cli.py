@@ -241,9 +241,13 @@ def _finding_rank(by_id: dict[str, Manifest], cut: str | None, path: str | None)
 
 def _policy(args: argparse.Namespace) -> Policy:
     parts: list[Policy] = []
-    if args.keep_last:
+    for flag, value in (("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value} (prune never removes the LATEST cut; "
+                             "to keep fewer cuts, lower the number, not below 1)")
+    if args.keep_last is not None:
         parts.append(KeepLast(args.keep_last))
-    if args.keep_every:
+    if args.keep_every is not None:
         parts.append(KeepEvery(args.keep_every))
     if args.keep_tag:
         parts.append(KeepTagged(*args.keep_tag))
@@ -384,13 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("verify", cmd_verify, "re-hash every committed cut and report findings (exit 1 on problems)")
     sp.add_argument("--cut", default=None, help="verify only this cut ('latest', an id or a step)")
     sp = add("prune", cmd_prune, "remove cuts a retention policy does not keep")
-    sp.add_argument("--keep-last", type=int, default=0)
-    sp.add_argument("--keep-every", type=int, default=0)
-    sp.add_argument("--keep-tag", action="append", default=[])
-    sp.add_argument("--keep-final", action="store_true")
-    sp.add_argument("--dry-run", action="store_true")
+    sp.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the N cuts with the highest steps")
+    sp.add_argument("--keep-every", type=int, default=None, metavar="K", help="keep every cut whose step is a multiple of K")
+    sp.add_argument("--keep-tag", action="append", default=[], metavar="TAG", help="keep cuts tagged TAG (repeatable)")
+    sp.add_argument("--keep-final", action="store_true", help="keep cuts marked final")
+    sp.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     sp = add("gc", cmd_gc, "remove leftovers of interrupted saves and prunes (never foreign files)")
-    sp.add_argument("--dry-run", action="store_true")
+    sp.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     add("repair", cmd_repair, "point LATEST at the newest cut that verifies")
     add("resume-info", cmd_resume_info, "what a launcher needs: resume step, cut, finished, healthy")
     sp = add("diff", cmd_diff, "which tensors changed between two cuts (by hash; exit 1 when they differ)")

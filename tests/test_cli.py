@@ -134,3 +134,10 @@ def test_real_subprocess(store_url):
     out = subprocess.run([sys.executable, "-m", "ckptstore.cli", "ls", store_url + "-missing"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
+
+
+def test_prune_keep_last_zero_says_what_is_wrong(store_url, capsys):
+    code, _, err = run(capsys, "prune", store_url, "--keep-last", "0")
+    assert code == 2 and "--keep-last must be at least 1" in err
+    code, _, err = run(capsys, "prune", store_url)
+    assert code == 2 and "needs at least one of" in err
