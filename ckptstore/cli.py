@@ -435,6 +435,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"ckptstore: error: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
+    except Exception as exc:  # noqa: BLE001 - a backend's own error (botocore, gcsfs): still one line
+        if args.debug:
+            raise
+        message = f"{type(exc).__name__}: {exc} [store={getattr(args, 'url', None)}]"
+        if getattr(args, "json", False):
+            print(json.dumps({"error": type(exc).__name__, "message": message, "store": getattr(args, "url", None),
+                              "cut": None, "path": None, "exit_code": EXIT_CANNOT_RUN}))
+        print(f"ckptstore: error: {message} (rerun with --debug for the traceback)", file=sys.stderr)
+        return EXIT_CANNOT_RUN
     except KeyboardInterrupt:
         print("ckptstore: interrupted", file=sys.stderr)
         return 130

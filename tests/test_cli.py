@@ -141,3 +141,19 @@ def test_prune_keep_last_zero_says_what_is_wrong(store_url, capsys):
     assert code == 2 and "--keep-last must be at least 1" in err
     code, _, err = run(capsys, "prune", store_url)
     assert code == 2 and "needs at least one of" in err
+
+
+def test_a_backend_error_is_one_line_and_exit_2(monkeypatch, capsys):
+    """An object store without credentials: botocore's own error, not a traceback (issue 10, item 15)."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    code, out, err = run(capsys, "ls", "s3://missing-bucket/run")
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ckptstore: error: ") and "Traceback" not in err
+    assert "s3://missing-bucket/run" in lines[0] and "credentials" in lines[0].lower()
+    code, out, _ = run(capsys, "ls", "s3://missing-bucket/run", "--json")
+    assert code == 2 and json.loads(out.splitlines()[0])["exit_code"] == 2
