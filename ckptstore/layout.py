@@ -143,5 +143,15 @@ def tmp_name(final_name: str) -> str:
     return f"{TMP_PREFIX}{secrets.token_hex(6)}-{final_name}"
 
 
+_TMP = re.compile(r"^\.tmp-[0-9a-f]{12}-(.+)$")
+
+
 def is_tmp_name(name: str) -> bool:
-    return name.startswith(TMP_PREFIX)
+    """Exactly the temp names :func:`tmp_name` makes for the files the store writes durably (a user's
+    ``.tmp-notes.txt`` is not ours and is never deleted)."""
+    m = _TMP.fullmatch(name) if isinstance(name, str) else None
+    if m is None:
+        return False
+    final = m.group(1)
+    return (final in ROOT_ENTRIES or final == MANIFEST_FILE or is_rank_record_name(final)
+            or cut_id_of_mark(final) is not None)

@@ -83,7 +83,7 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
     seen: ManifestCache = {}
     where = {"store": storage.url}
     for entry in storage.list_dir(""):
-        if layout.is_tmp_name(entry.name):
+        if layout.is_tmp_name(entry.name) and not entry.is_dir:
             st.tmp_files.append(entry.name)
         elif entry.name not in layout.ROOT_ENTRIES:
             st.foreign.append(entry.name)
@@ -95,15 +95,16 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
             st.latest_error = exc
     for entry in storage.list_dir(layout.CUTS_DIR):
         rel = f"{layout.CUTS_DIR}/{entry.name}"
-        if layout.is_tmp_name(entry.name):
+        if layout.is_tmp_name(entry.name) and not entry.is_dir:
             st.tmp_files.append(rel)
             continue
         if not entry.is_dir or not layout.is_cut_id(entry.name):
             st.foreign.append(rel)
             continue
         st.cut_dirs.add(entry.name)
-        names = {e.name for e in storage.list_dir(rel)}
-        for n in names:
+        listing = storage.list_dir(rel)
+        names = {e.name for e in listing}
+        for n in (e.name for e in listing if not e.is_dir):
             if layout.is_tmp_name(n):
                 st.tmp_files.append(f"{rel}/{n}")
         if layout.MANIFEST_FILE in names:
@@ -126,7 +127,7 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
     for sub, target in ((layout.MARKS_DIR, st.marks), (layout.BAD_DIR, st.bad)):
         for entry in storage.list_dir(sub):
             rel = f"{sub}/{entry.name}"
-            if layout.is_tmp_name(entry.name):
+            if layout.is_tmp_name(entry.name) and not entry.is_dir:
                 st.tmp_files.append(rel)
                 continue
             cut = layout.cut_id_of_mark(entry.name)

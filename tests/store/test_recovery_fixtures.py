@@ -156,7 +156,7 @@ def test_temp_files_of_interrupted_durable_writes_are_removed(tmp_path: Path) ->
         ".tmp-0123456789ab-LATEST",  # a LATEST replace that never got renamed
         f"cuts/{cuts[2]}/.tmp-0123456789ab-{layout.MANIFEST_FILE}",
         f"marks/.tmp-0123456789ab-{cuts[2]}.json",
-        "cuts/.tmp-0123456789ab-whatever",
+        f"bad/.tmp-0123456789ab-{cuts[1]}.json",  # a bad-cut record being written
     ]
     for rel in temps:
         (root / rel).write_bytes(b'{"kind": "ckptstore.lat')  # torn
