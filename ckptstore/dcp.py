@@ -12,6 +12,10 @@ collects the records and commits in ``finish``. DCP's ``Metadata`` is stored as 
 manifest's ``metadata["ckptstore.dcp"]`` (docs/dcp.md has the format); nothing is pickled by ckptstore.
 Byte-IO items (values DCP ``torch.save``s) are stored as the uint8 arrays they are and handed back to
 DCP as bytes, which DCP's planner unpickles (as it does with ``FileSystemReader``).
+
+``StoreReader`` also reads native cuts (``Store.save``, the ``Checkpointer``): :func:`native_metadata`
+synthesizes DCP ``Metadata`` from every rank's tree (DTensor shards as chunks of their global tensor),
+so those load resharded too (docs/dcp.md, "Loading Checkpointer cuts").
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .arrays import ArrayItem, describe, empty_for
-from .errors import CorruptCut, UsageError
+from .errors import CorruptCut, DataError, UsageError
 from .manifest import Manifest, TensorRecord
 from .options import StoreOptions
 from .pending import PendingCut
@@ -454,10 +458,136 @@ class StoreWriter(StorageWriter):
             self.close()
 
 
+# ------------------------------------------------------------------------- native cuts as DCP metadata
+@dataclass(frozen=True)
+class NativeValue:
+    """``Metadata.storage_data`` value of a non-tensor leaf of a native cut (a cut of ``Store.save`` or
+    the ``Checkpointer``): the value itself, rebuilt from the manifest tree (never unpickled), which the
+    reader ``torch.save``s into the bytes DCP's planner loads."""
+
+    rank: int
+    value: Any
+
+
+def _is_terminal(node: Any) -> bool:
+    """DCP's ``traverse_state_dict._is_terminal`` on a tree node: a dict is never terminal; a list is,
+    unless it holds a tensor, a dict or a non-terminal list; anything else (tuples included) is."""
+    kind = node.get("t") if isinstance(node, dict) else None
+    if kind == "dict":
+        return False
+    if kind != "list":
+        return True
+    for entry in node.get("items") or []:
+        ekind = entry.get("t") if isinstance(entry, dict) else None
+        if ekind in ("dict", "list") and not _is_terminal(entry):
+            return False
+        if ekind in ("tensor", "dtensor"):
+            return False
+    return True
+
+
+def _dcp_leaves(node: Any, path: tuple[Any, ...] = ()) -> Any:
+    """(fqn, node) of every leaf DCP's ``flatten_state_dict`` makes of the state a tree records: keys
+    joined by "." (int keys as str, list entries by index), traversed as ``traverse_state_dict`` does."""
+    kind = node.get("t") if isinstance(node, dict) else None
+    if kind == "dict":
+        for item in node.get("items") or []:
+            key = item["k"] if "k" in item else item["ik"]
+            yield from _dcp_leaves(item["v"], path + (str(key),))
+    elif _is_terminal(node) or kind not in ("list", "tuple"):
+        if path:
+            yield ".".join(map(str, path)), node
+    else:
+        for i, child in enumerate(node.get("items") or []):
+            yield from _dcp_leaves(child, path + (i,))
+
+
+def _no_arrays(name: str, node: dict[str, Any]) -> Any:
+    raise _HasArrays(name)
+
+
+class _HasArrays(Exception):
+    pass
+
+
+def native_metadata(m: Manifest, *, where: dict[str, Any]) -> Metadata:
+    """DCP ``Metadata`` for a cut written by ``Store.save`` or the ``Checkpointer`` (no ``ckptstore.dcp``
+    metadata), from every rank's tree: a "dtensor" node gives one chunk per distinct shard (offsets,
+    local shape) of the global tensor over all ranks; a plain "tensor" node is taken as replicated, one
+    whole chunk from the lowest rank holding that fqn; any other terminal leaf (int, float, str, a list
+    of them, ...) becomes a byte-IO item holding the value. Leaves that hold arrays inside a value DCP
+    sees as opaque (numpy arrays, a tuple of tensors) or pickled values are left out (a strict DCP load
+    asking for them raises "Missing key"). ``storage_data`` maps each chunk to its (rank, array)."""
+    from .tree import unflatten
+
+    sdm: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    seen_chunks: dict[str, set[tuple[int, ...]]] = {}
+    skipped: list[str] = []
+    for rank, tree in m.rank_trees():
+        part = m.for_rank(rank)
+        records = part.tensor_index()
+        for fqn, node in _dcp_leaves(tree):
+            kind = node.get("t") if isinstance(node, dict) else None
+            if kind in ("tensor", "dtensor"):
+                rec = records.get(node.get("name"))
+                if rec is None or rec.kind != "torch":
+                    raise CorruptCut(f"rank {rank}'s tree names array {node.get('name')!r} at {fqn!r}, which its "
+                                     "part of the manifest does not record as a torch array", **where)
+                dtype = getattr(torch, rec.dtype, None)
+                if not isinstance(dtype, torch.dtype):
+                    raise CorruptCut(f"array {rec.name!r} has unknown dtype {rec.dtype!r}", **where)
+                if kind == "dtensor":
+                    if any(isinstance(p, dict) and "partial" in p for p in node.get("placements", [])):
+                        raise UsageError(f"{fqn!r} is a DTensor with a Partial placement; DCP cannot load it "
+                                         "resharded (reduce it before saving)", **where)
+                    size, offsets, sizes = node["global_shape"], node["offsets"], node["local_shape"]
+                    if list(rec.shape) != list(sizes):
+                        raise CorruptCut(f"{fqn!r} on rank {rank}: the array is {rec.shape}, the tree's local "
+                                         f"shape {sizes}", **where)
+                else:
+                    if fqn in sdm:
+                        continue  # replicated: the lowest rank's copy
+                    size, offsets, sizes = list(rec.shape), [0] * len(rec.shape), list(rec.shape)
+                have = sdm.get(fqn)
+                if have is None:
+                    have = sdm[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype),
+                                                            size=torch.Size(size), chunks=[])
+                    seen_chunks[fqn] = set()
+                elif not isinstance(have, TensorStorageMetadata) or list(have.size) != list(size) \
+                        or have.properties.dtype != dtype:
+                    raise CorruptCut(f"{fqn!r} differs between ranks (rank {rank} has {rec.dtype}{list(size)})",
+                                     **where)
+                key = tuple(int(o) for o in offsets)
+                if key in seen_chunks[fqn]:
+                    continue  # a replica of a shard already recorded (Replicate placements)
+                seen_chunks[fqn].add(key)
+                have.chunks.append(ChunkStorageMetadata(offsets=torch.Size(key), sizes=torch.Size(sizes)))
+                storage[MetadataIndex(fqn, key)] = ArrayLocation(rank, rec.name)
+            else:
+                if fqn in sdm:
+                    if not isinstance(sdm[fqn], BytesStorageMetadata):
+                        raise CorruptCut(f"{fqn!r} is a tensor on one rank and a value on another", **where)
+                    continue
+                try:
+                    value = unflatten(node, _no_arrays, allow_pickle=False, where=where)
+                except (_HasArrays, DataError, UsageError) as exc:
+                    skipped.append(fqn)
+                    log.debug("ckptstore.dcp: %s of cut %s left out of the DCP metadata: %r", fqn, m.cut, exc)
+                    continue
+                sdm[fqn] = BytesStorageMetadata()
+                storage[MetadataIndex(fqn)] = NativeValue(rank, value)
+    if skipped:
+        log.info("ckptstore.dcp: cut %s: %d values DCP cannot load from it were left out: %s", m.cut, len(skipped),
+                 ", ".join(skipped[:10]))
+    return Metadata(state_dict_metadata=sdm, storage_data=storage, storage_meta=StorageMeta(),
+                    version=DCP_VERSION)
+
+
 # ------------------------------------------------------------------------------------------- reader
 class StoreReader(StorageReader):
-    """A DCP ``StorageReader`` of one committed cut written by :class:`StoreWriter`: ``cut`` is
-    "latest", a cut id or a step. Loads at any world size (DCP reshards). Every array read is checked
+    """A DCP ``StorageReader`` of one committed cut, written by :class:`StoreWriter` or natively
+    (``Store.save``, the ``Checkpointer``: :func:`native_metadata`): ``cut`` is "latest", a cut id or a step. Loads at any world size (DCP reshards). Every array read is checked
     against its blake3 (``verify=False`` skips the hashes, never the size and header checks); a range
     of arrays of an uncompressed shard is read by byte range, a compressed shard whole."""
 
@@ -499,19 +629,18 @@ class StoreReader(StorageReader):
     def manifest(self) -> Manifest:
         """The manifest of the cut being read (chosen once per reader and reset)."""
         if self._manifest is None:
-            m = self._open().manifest(self.cut)
-            if METADATA_KEY not in m.metadata:
-                raise UsageError(f"cut {m.cut} was not written through torch.distributed.checkpoint (no "
-                                 f"{METADATA_KEY!r} metadata); load it with ckptstore.load or restore",
-                                 store=self.url, cut=m.cut)
-            self._manifest = m
+            self._manifest = self._open().manifest(self.cut)
         return self._manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise UsageError("ckptstore cuts have one global DCP metadata, no per-rank metadata", store=self.url)
         m = self.manifest()
-        md = metadata_from_json(m.metadata[METADATA_KEY], where={"store": self.url, "cut": m.cut})
+        if METADATA_KEY in m.metadata:
+            md = metadata_from_json(m.metadata[METADATA_KEY], where={"store": self.url, "cut": m.cut})
+        else:
+            # A cut of Store.save or the Checkpointer: DCP metadata synthesized from its trees.
+            md = native_metadata(m, where={"store": self.url, "cut": m.cut})
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -545,6 +674,15 @@ class StoreReader(StorageReader):
             loc = self._locations.get(req.storage_index)
             if loc is None:
                 raise CorruptCut(f"DCP metadata has no location for {req.storage_index}", **where)
+            if isinstance(loc, NativeValue):
+                # A non-tensor value of a native cut: DCP's planner unpickles what torch.save made of it.
+                if req.type != LoadItemType.BYTE_IO:
+                    raise CorruptCut(f"DCP item {req.storage_index} is a value, not a tensor", **where)
+                buf = io.BytesIO()
+                torch.save(loc.value, buf)
+                buf.seek(0)
+                planner.load_bytes(req, buf)
+                continue
             if loc.rank not in parts:
                 try:
                     parts[loc.rank] = m.for_rank(loc.rank)
@@ -612,5 +750,5 @@ class StoreReader(StorageReader):
             planner.commit_tensor(req, target)
 
 
-__all__ = ["StoreWriter", "StoreReader", "CutPlan", "ArrayLocation", "METADATA_KEY", "metadata_to_json",
+__all__ = ["StoreWriter", "StoreReader", "CutPlan", "ArrayLocation", "NativeValue", "native_metadata", "METADATA_KEY", "metadata_to_json",
            "metadata_from_json", "array_name"]
