@@ -127,6 +127,26 @@ def _cli_rank_part(m: Manifest, rank: int | None, url: str, what: str) -> Manife
     return rank_part(m, rank, url)
 
 
+_NUMPY_KINDS = {"f": "float", "i": "int", "u": "uint", "b": "bool", "c": "complex", "m": "timedelta", "M": "datetime"}
+
+
+def _dtype_label(kind: str, dtype: str) -> str:
+    """One naming for both kinds of arrays: ``torch.float32``, ``numpy.float32`` (the manifest keeps
+    numpy's ``dtype.str``, ``<f4``, which says the byte order too)."""
+    if kind == "torch":
+        return f"torch.{dtype}"
+    code, size = dtype[1:2], dtype[2:].split("[")[0]
+    base = _NUMPY_KINDS.get(code)
+    if base is None or not size.isdigit():
+        return f"numpy.{dtype}"
+    if base == "bool":
+        return "numpy.bool"
+    unit = dtype[dtype.index("["):] if "[" in dtype else ""
+    order = " (big-endian)" if dtype.startswith(">") else ""
+    bits = int(size) * 8 if base in ("float", "int", "uint", "complex") else ""
+    return f"numpy.{base}{bits}{'64' if not bits else ''}{unit}{order}"
+
+
 def _selector(s: str | None) -> str | int:
     """A cut argument: "latest", a step, or a cut id. Anything else is a bad argument (exit 2), not
     damage found in the store (exit 1)."""
@@ -184,13 +204,15 @@ def cmd_show(args: argparse.Namespace) -> int:
             lines.append(f"metadata  {json.dumps(m.metadata)}")
         if args.tensors:
             ranks = _file_ranks(m)
-            doc["tensors"] = [{"rank": ranks[t.file], "name": t.name, "dtype": t.dtype, "shape": t.shape,
-                               "nbytes": t.nbytes, "file": t.file, "blake3": t.blake3} for t in part.tensors]
-            rows = [[t.name, t.dtype, list(t.shape), t.nbytes, t.file] for t in part.tensors]
+            tensors = sorted(part.tensors, key=lambda t: (ranks[t.file], t.name))
+            doc["tensors"] = [{"rank": ranks[t.file], "name": t.name, "kind": t.kind, "dtype": t.dtype,
+                               "dtype_name": _dtype_label(t.kind, t.dtype), "shape": t.shape, "nbytes": t.nbytes,
+                               "file": t.file, "blake3": t.blake3} for t in tensors]
+            rows = [[t.name, _dtype_label(t.kind, t.dtype), list(t.shape), t.nbytes, t.file] for t in tensors]
             lines.append("")
             if m.world_size > 1:  # names repeat across ranks: say whose each one is
                 lines.append(table(["rank", "name", "dtype", "shape", "bytes", "file"],
-                                   [[ranks[t.file], *row] for t, row in zip(part.tensors, rows)]))
+                                   [[ranks[t.file], *row] for t, row in zip(tensors, rows)]))
             else:
                 lines.append(table(["name", "dtype", "shape", "bytes", "file"], rows))
         emit(args, doc, "\n".join(lines))

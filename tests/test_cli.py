@@ -157,3 +157,21 @@ def test_a_backend_error_is_one_line_and_exit_2(monkeypatch, capsys):
     assert "s3://missing-bucket/run" in lines[0] and "credentials" in lines[0].lower()
     code, out, _ = run(capsys, "ls", "s3://missing-bucket/run", "--json")
     assert code == 2 and json.loads(out.splitlines()[0])["exit_code"] == 2
+
+
+def test_show_tensors_is_sorted_with_one_dtype_naming(tmp_path, capsys):
+    import numpy as np
+    import torch
+
+    url = str(tmp_path / "s")
+    with ckptstore.Store.open(url, create=True) as store:
+        store.save({"zeta": torch.zeros(2, dtype=torch.bfloat16), "alpha": np.arange(3, dtype=">i8"),
+                    "mid": np.zeros(2, dtype=np.float32)}, step=1)
+    code, out, _ = run(capsys, "show", url, "--tensors", "--json")
+    assert code == 0
+    tensors = json.loads(out)["tensors"]
+    assert [t["name"] for t in tensors] == ["alpha", "mid", "zeta"]
+    assert [t["dtype_name"] for t in tensors] == ["numpy.int64 (big-endian)", "numpy.float32", "torch.bfloat16"]
+    code, out, _ = run(capsys, "show", url, "--tensors")
+    rows = [line for line in out.splitlines() if line.startswith(("alpha", "mid", "zeta"))]
+    assert [r.split()[0] for r in rows] == ["alpha", "mid", "zeta"] and "torch.bfloat16" in rows[2]
