@@ -27,6 +27,7 @@ from .arrays import ArrayItem
 from .errors import CorruptCut, MissingFile, StorageError, TruncatedFile
 from .format import DATA_ALIGN, ShardHeader, decode_header, encode_header, header_dtype
 from .storage import Storage
+from .storage.posix import open_regular
 from .manifest import FileRecord, TensorRecord
 
 PIECE = 8 << 20
@@ -489,7 +490,7 @@ def local_digests_v2(
     if data_start < 8:
         raise CorruptCut(f"manifest records {end} data bytes in a {record.raw_nbytes}-byte shard", **where)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size != record.raw_nbytes:
                 cls = TruncatedFile if size < record.raw_nbytes else CorruptCut

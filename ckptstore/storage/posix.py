@@ -10,6 +10,7 @@ the disk's speed.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from typing import BinaryIO
@@ -17,6 +18,29 @@ from typing import BinaryIO
 from .. import layout
 from .base import Capabilities, Entry, Sink, Storage, StorageSpec
 from .sink import CHUNK, PosixSink, _AlignedBuffer
+
+
+def open_regular(path: str, buffering: int = 0) -> BinaryIO:
+    """Opens ``path`` for reading only if it is a regular file reached without following a symlink in
+    its last component: a FIFO planted as a shard must not hang a reader (opened non-blocking, then
+    refused), and a symlinked shard must not make the store read what lies outside it. Raises
+    OSError (ENOTSUP-style errors carry the reason)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "refusing to follow a symlink inside the store", path) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or directory is never read)", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering)  # type: ignore[return-value]
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class PosixStorage(Storage):
@@ -80,21 +104,21 @@ class PosixStorage(Storage):
 
     def read_bytes(self, rel: str) -> bytes:
         try:
-            with open(self._abs(rel), "rb") as f:
+            with open_regular(self._abs(rel), buffering=-1) as f:
                 return f.read()
         except OSError as exc:
             raise self._error(exc, "reading", rel) from exc
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         try:
-            with open(self._abs(rel), "rb", buffering=0) as f:
+            with open_regular(self._abs(rel)) as f:
                 return os.pread(f.fileno(), end - start, start)
         except OSError as exc:
             raise self._error(exc, "reading", rel) from exc
 
     def open_reader(self, rel: str) -> BinaryIO:
         try:
-            return open(self._abs(rel), "rb", buffering=0)  # type: ignore[return-value]
+            return open_regular(self._abs(rel))
         except OSError as exc:
             raise self._error(exc, "opening", rel) from exc
 
