@@ -18,7 +18,7 @@ from .errors import CkptStoreError, CutNotFound, DataError, StorageError, StoreL
 from .info import CutInfo
 from .manifest import Manifest
 from .retention import KeepEvery, KeepFinal, KeepLast, KeepTagged, Policy
-from .store import Store, open_for_repair, rank_part
+from .store import Store, open_for_repair, rank_manifest
 
 EXIT_OK, EXIT_PROBLEM, EXIT_CANNOT_RUN = 0, 1, 2
 
@@ -124,7 +124,7 @@ def _cli_rank_part(m: Manifest, rank: int | None, url: str, what: str) -> Manife
     if rank is None and m.world_size > 1:
         raise UsageError(f"cut {m.cut} holds the state of {m.world_size} ranks (world size {m.world_size}); "
                          f"pass --rank R (0 to {m.world_size - 1}) to {what} one rank's part", store=url, cut=m.cut)
-    return rank_part(m, rank, url)
+    return rank_manifest(m, rank, url)
 
 
 _NUMPY_KINDS = {"f": "float", "i": "int", "u": "uint", "b": "bool", "c": "complex", "m": "timedelta", "M": "datetime"}
@@ -184,7 +184,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         info = CutInfo.from_manifest(m)
         cls = store.classify()
         # --rank R: the files and tensors listed are rank R's only (the cut's totals stay in the doc)
-        part = m if args.rank is None else rank_part(m, args.rank, store.url)
+        part = m if args.rank is None else rank_manifest(m, args.rank, store.url)
         counts = _rank_counts(m)
         doc: dict[str, Any] = {**info.to_json(), "latest": cls.latest is not None and cls.latest.cut == m.cut,
                                "writer": m.writer.model_dump(), "metadata": m.metadata,

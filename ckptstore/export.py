@@ -9,7 +9,7 @@ from typing import Any
 from .arrays import describe
 from .errors import UsageError
 from .format import encode_header, header_dtype
-from .store import CutSelector, Store, rank_part
+from .store import CutSelector, Store, rank_manifest
 from .tree import flatten
 
 
@@ -28,7 +28,7 @@ def export_cut(store: Store, cut: CutSelector, path: str, *, fmt: str, allow_pic
         raise UsageError("the torch format is a pickle that torch.load unpickles; pass --allow-pickle-format "
                          "(allow_pickle_format=True) to export it anyway", store=store.url)
     whole = store.manifest(cut)
-    m = rank_part(whole, rank, store.url)
+    m = rank_manifest(whole, rank, store.url)
     state = store.load(m.cut, allow_pickle=fmt == "torch" and allow_pickle_format, rank=rank)
     done = {"cut": m.cut, "format": fmt, "path": path, "world_size": whole.world_size, "rank": rank}
     tmp = f"{path}.tmp-{os.getpid()}"

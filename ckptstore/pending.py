@@ -29,7 +29,7 @@ from .ident import host_identity
 from .info import CutInfo
 from .manifest import RANKS_FORMAT_VERSION, FileRecord, Manifest, RankRecord, TensorRecord, WriterIdentity
 from .protocol import CommitProtocol, CommitUnknown, now_iso
-from .shards import Codec, write_shards
+from .shards import Codec
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -77,9 +77,8 @@ class PendingCut:
               hash_threads: int = hashing.AUTO) -> tuple[list[FileRecord], list[TensorRecord]]:
         """Writes ``items`` as this cut's shards of ``rank`` (durable on return) and records them."""
         self._require(OPEN, "write files")
-        files, tensors = write_shards(self._storage, self.id, rank, items, codec=codec,
-                                      max_shard_bytes=max_shard_bytes, on_bytes=on_bytes, timings=timings,
-                                      hash_threads=hash_threads, on_shard=lambda: self._protocol.phase("shard-written", self.id))
+        files, tensors = self._protocol.write_shards(self.id, rank, items, codec=codec, max_shard_bytes=max_shard_bytes,
+                                                     on_bytes=on_bytes, timings=timings, hash_threads=hash_threads)
         self.add_files(files, tensors, rank=rank)
         return files, tensors
 
@@ -224,9 +223,8 @@ class RankPart:
               timings: dict[str, float] | None = None, hash_threads: int = hashing.AUTO
               ) -> tuple[list[FileRecord], list[TensorRecord]]:
         """Writes ``items`` as this rank's shards (durable on return); ``publish`` them next."""
-        return write_shards(self._storage, self.id, self.rank, items, codec=codec, max_shard_bytes=max_shard_bytes,
-                            timings=timings, hash_threads=hash_threads,
-                            on_shard=lambda: self._protocol.phase("shard-written", self.id))
+        return self._protocol.write_shards(self.id, self.rank, items, codec=codec, max_shard_bytes=max_shard_bytes,
+                                           timings=timings, hash_threads=hash_threads)
 
     def discard_files(self) -> None:
         """Removes this rank's partial files (its writer process died mid-cut), so they can be

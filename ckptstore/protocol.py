@@ -50,13 +50,15 @@ from __future__ import annotations
 
 import errno
 from datetime import datetime, timezone
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 from . import hashing, layout
 from .errors import CkptStoreError, DataError, StorageError, StoreLocked
 from .ident import host_identity
 from .latest import Pointer
-from .manifest import Manifest, RankRecord
+from .arrays import ArrayItem
+from .manifest import FileRecord, Manifest, RankRecord, TensorRecord
+from .shards import write_shards
 from .marks import BadCut, Mark
 from .storage import ConditionFailed, Storage
 
@@ -105,6 +107,12 @@ class CommitProtocol:
         self._storage.write_durably(layout.mark_path(cut), mark.to_bytes())
         self._storage.make_dir(layout.cut_dir(cut))
         self.phase("mark-written", cut)
+
+    def write_shards(self, cut: str, rank: int, items: Sequence[ArrayItem], **kw: Any
+                     ) -> tuple[list[FileRecord], list[TensorRecord]]:
+        """Step 2 for one rank: its shards, each fsynced (phase "shard-written" after each); ``kw`` as
+        :func:`ckptstore.shards.write_shards` takes them."""
+        return write_shards(self._storage, cut, rank, items, on_shard=lambda: self.phase("shard-written", cut), **kw)
 
     def files_durable(self, cut: str) -> None:
         """Step 3: the names of the cut's files are durable before a manifest names them."""

@@ -19,7 +19,6 @@ from typing import Any, Sequence
 from . import hashing, layout
 from .arrays import describe
 from .errors import (
-    CkptStoreError,
     CorruptCut,
     CutNotFound,
     HostileInput,
@@ -298,7 +297,7 @@ class Store:
             if info is None:
                 raise CutNotFound("the store has no committed cut yet", store=self.url)
             cut = info.id
-        m = rank_part(self.manifest(cut), rank, self.url)
+        m = rank_manifest(self.manifest(cut), rank, self.url)
         if m.pickled and not allow_pickle:
             raise HostileInput("cut holds pickled values; pass allow_pickle=True only if you trust it",
                                store=self.url, cut=m.cut)
@@ -364,9 +363,7 @@ class Store:
         self._require_writer("writing a rank's part", participant_ok=True)
         if self.ranks is None:
             raise UsageError("rank parts belong to stores opened with group=", store=self.url)
-        layout.check_cut_id(cut, store=self.url)
-        self._protocol.open_rank_dir(cut)
-        return RankPart(self._protocol, self.storage, cut, step, self.ranks.rank, self.ranks.size)
+        return self.rank_part_for(cut, step, self.ranks.rank, self.ranks.size)
 
     def rank_part_for(self, cut: str, step: int, rank: int, world_size: int) -> RankPart:
         """Rank ``rank``'s share of cut ``cut`` of ``world_size`` ranks that a coordinator elsewhere
@@ -635,7 +632,7 @@ class Store:
             log.warning("ckptstore: could not record bad cut %s of %s: %s", cut, self.url, exc)
 
 
-def rank_part(m: Manifest, rank: int | None, url: str) -> Manifest:
+def rank_manifest(m: Manifest, rank: int | None, url: str) -> Manifest:
     """Rank ``rank``'s part of a cut (a cut of one rank is its own part 0); a ``UsageError`` that names
     the cut's world size when ``rank`` is missing for a cut of several ranks, or outside it."""
     if rank is None:

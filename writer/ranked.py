@@ -158,75 +158,19 @@ class RankedCuts:
         ck, ranks = self.ck, self.ranks
         t0 = time.perf_counter()
         where = {**self.where, "cut": handle.id}
-        pending: PendingCut | None = None
-        info: CutInfo | None = None
-        failure: BaseException | None = None
         with ranks.busy():
-            err: BaseException | None = None
-            try:
-                if ranks.rank == 0:
-                    pending = ck.store.begin_cut(handle.step, writer=f"checkpointer:{ck.options.mode}", cut=handle.id,
-                                                 world_size=ranks.size)
-                captured.ready()
-                part = ck.store.rank_part(handle.id, handle.step)
-                files, timings = ck._write(handle, captured, part)
-                assert part.written is not None
-                part.publish(*part.written, tree=captured.tree, pickled=captured.pickled, mode=ck.options.mode)
-                handle.timings.update(timings)
-                ck.events.emit("written", step=handle.step, cut=handle.id, bytes=sum(f.nbytes for f in files),
-                               timings={k: round(v, 6) for k, v in timings.items()}, writer_mode=ck.options.mode,
-                               fallback=handle.fallback)
-            except BaseException as exc:  # noqa: BLE001 - posted to rank 0 below
-                err = exc
+            pending, err = self._write_part(handle, captured)
             try:
                 ranks.post(f"written/{handle.id}", outcome(err))
             except Exception:  # noqa: BLE001 - rank 0 then finds this rank silent
                 pass
             if err is None:
                 handle.to_committing()
+            t_commit = time.perf_counter()
             if ranks.rank == 0:
-                t_commit = time.perf_counter()
-                try:
-                    posts = ranks.await_posts(f"written/{handle.id}", range(ranks.size),
-                                              f"every rank's part of cut {handle.id}", **where)
-                    if err is not None:
-                        raise err
-                    check_all_ok([posts[r] for r in range(ranks.size)], f"writing cut {handle.id}", **where)
-                    assert pending is not None
-                    pending.collect_ranks()
-                    pending.files_durable()
-                    info = pending.commit(tags=extra["tags"], final=extra["final"], metadata=extra["metadata"],
-                                          mode=ck.options.mode)
-                except BaseException as exc:  # noqa: BLE001
-                    failure = exc
-                    if pending is not None:
-                        try:
-                            pending.abandon()  # a no-op once committed or left to recovery
-                        except BaseException:  # noqa: BLE001 - the cut stays marked; gc removes it
-                            pass
-                ranks.forget_posts(f"written/{handle.id}", range(ranks.size))
-                result = {**outcome(failure), "unknown": pending is not None and pending.state == "unknown",
-                          "info": {**info.to_json(), "metadata": info.metadata} if info is not None else None}
-                try:
-                    ranks.post(f"outcome/{handle.id}", result)
-                    self._outcome_keys.append(f"outcome/{handle.id}")
-                except Exception:  # noqa: BLE001 - the others then find rank 0 silent
-                    pass
+                info, failure = self._commit(handle, pending, err, extra, where)
             else:
-                try:
-                    result = ranks.await_posts(f"outcome/{handle.id}", [0], f"rank 0's commit of cut {handle.id}",
-                                               **where)[0]
-                    if err is not None:
-                        failure = err
-                    elif result["ok"]:
-                        info = CutInfo.from_json(result["info"])
-                    else:
-                        note = "LATEST may name it: the next writer open decides" if result.get("unknown") else \
-                            "LATEST was left where it was"
-                        failure = RankFailure(f"cut {handle.id} was not committed ({note}): {result['error']}",
-                                              ranks=[0], **where)
-                except BaseException as exc:  # noqa: BLE001
-                    failure = err if err is not None else exc
+                info, failure = self._await_commit(handle, err, where)
         ck._end_cut(handle)
         if failure is not None:
             if not handle.done:
@@ -244,5 +188,78 @@ class RankedCuts:
                 ck.store.prune(ck.options.keep)
             except BaseException as exc:  # noqa: BLE001 - a failed prune never fails a committed cut
                 ck.events.emit("warning", step=handle.step, message=f"prune failed: {exc}")
+
+    def _write_part(self, handle: CutHandle, captured: Captured) -> tuple[PendingCut | None, BaseException | None]:
+        """Rank 0 marks the cut; every rank has its part written (writer process, else here) and
+        publishes its record. Returns rank 0's pending cut and this rank's error, if any."""
+        ck, ranks = self.ck, self.ranks
+        pending: PendingCut | None = None
+        try:
+            if ranks.rank == 0:
+                pending = ck.store.begin_cut(handle.step, writer=f"checkpointer:{ck.options.mode}", cut=handle.id,
+                                             world_size=ranks.size)
+            captured.ready()
+            part = ck.store.rank_part(handle.id, handle.step)
+            files, timings = ck._write(handle, captured, part)
+            assert part.written is not None
+            part.publish(*part.written, tree=captured.tree, pickled=captured.pickled, mode=ck.options.mode)
+            handle.timings.update(timings)
+            ck.events.emit("written", step=handle.step, cut=handle.id, bytes=sum(f.nbytes for f in files),
+                           timings={k: round(v, 6) for k, v in timings.items()}, writer_mode=ck.options.mode,
+                           fallback=handle.fallback)
+        except BaseException as exc:  # noqa: BLE001 - posted to rank 0 by the caller
+            return pending, exc
+        return pending, None
+
+    def _commit(self, handle: CutHandle, pending: PendingCut | None, err: BaseException | None,
+                extra: dict[str, Any], where: dict[str, Any]) -> tuple[CutInfo | None, BaseException | None]:
+        """Rank 0: once every rank posted, commit (or abandon) and post the outcome for the others."""
+        ck, ranks = self.ck, self.ranks
+        info: CutInfo | None = None
+        failure: BaseException | None = None
+        try:
+            posts = ranks.await_posts(f"written/{handle.id}", range(ranks.size),
+                                      f"every rank's part of cut {handle.id}", **where)
+            if err is not None:
+                raise err
+            check_all_ok([posts[r] for r in range(ranks.size)], f"writing cut {handle.id}", **where)
+            assert pending is not None
+            pending.collect_ranks()
+            pending.files_durable()
+            info = pending.commit(tags=extra["tags"], final=extra["final"], metadata=extra["metadata"],
+                                  mode=ck.options.mode)
+        except BaseException as exc:  # noqa: BLE001
+            failure = exc
+            if pending is not None:
+                try:
+                    pending.abandon()  # a no-op once committed or left to recovery
+                except BaseException:  # noqa: BLE001 - the cut stays marked; gc removes it
+                    pass
+        ranks.forget_posts(f"written/{handle.id}", range(ranks.size))
+        result = {**outcome(failure), "unknown": pending is not None and pending.state == "unknown",
+                  "info": {**info.to_json(), "metadata": info.metadata} if info is not None else None}
+        try:
+            ranks.post(f"outcome/{handle.id}", result)
+            self._outcome_keys.append(f"outcome/{handle.id}")
+        except Exception:  # noqa: BLE001 - the others then find rank 0 silent
+            pass
+        return info, failure
+
+    def _await_commit(self, handle: CutHandle, err: BaseException | None, where: dict[str, Any]
+                      ) -> tuple[CutInfo | None, BaseException | None]:
+        """Ranks other than 0: rank 0's outcome of the cut (this rank's own error first)."""
+        try:
+            result = self.ranks.await_posts(f"outcome/{handle.id}", [0], f"rank 0's commit of cut {handle.id}",
+                                            **where)[0]
+        except BaseException as exc:  # noqa: BLE001
+            return None, err if err is not None else exc
+        if err is not None:
+            return None, err
+        if result["ok"]:
+            return CutInfo.from_json(result["info"]), None
+        note = "LATEST may name it: the next writer open decides" if result.get("unknown") else \
+            "LATEST was left where it was"
+        return None, RankFailure(f"cut {handle.id} was not committed ({note}): {result['error']}", ranks=[0], **where)
+
 
 __all__ = ["RankedCuts"]

@@ -4,13 +4,8 @@ writes rank<r>.json. Same conventions as tests/ranks/rank_worker.py (gloo over T
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import time
-import traceback
 import warnings
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 import ckptstore
 from ckptstore.dcp import StoreReader, StoreWriter
 from ranks.rank_worker import fsdp_model, train_step
+from ranks.rankkit import worker_main
 
 warnings.simplefilter("ignore")
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -150,26 +146,5 @@ def scenario_write_fails(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    rank, world = cfg["rank"], cfg["world"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        res = globals()[f"scenario_{cfg['scenario']}"](cfg)
-    except BaseException as exc:  # noqa: BLE001 - the test reads it
-        res = {"ok": False, "error_type": type(exc).__name__, "error": str(exc)[:3000],
-               "traceback": traceback.format_exc()}
-    with open(os.path.join(cfg["out_dir"], f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-    if rank == 0:
-        # Rank 0 hosts the rendezvous store: stay until the others wrote their results.
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not all(
-                os.path.exists(os.path.join(cfg["out_dir"], f"rank{r}.json")) for r in range(1, world)):
-            time.sleep(0.05)
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    worker_main(globals())

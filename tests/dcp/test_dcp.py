@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import time
 import warnings
 from typing import Any
 
@@ -18,39 +14,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckptstore
 from ckptstore.cli import main as cli
 from ckptstore.dcp import METADATA_KEY, StoreReader, StoreWriter, metadata_from_json, metadata_to_json
-from ranks.rankkit import RankResult, _read, describe, free_port
+from ranks.rankkit import RankResult, describe, run_job
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dcp_worker.py")
-TESTS = os.path.dirname(os.path.dirname(WORKER))
 
 
-def run_dcp_job(out_dir: str, world: int, scenario: str, *, timeout: float = 90, **config: Any) -> list[RankResult]:
-    """rankkit.run_job for dcp_worker.py: one process per rank, gloo, results in out_dir/rank<r>.json."""
-    os.makedirs(out_dir, exist_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        cfg = {"scenario": scenario, "rank": rank, "world": world, "port": port, "out_dir": out_dir, **config}
-        err = open(os.path.join(out_dir, f"rank{rank}.err"), "w")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.getcwd()])}
-        procs.append((subprocess.Popen([sys.executable, WORKER, json.dumps(cfg)], stdout=err, stderr=subprocess.STDOUT,
-                                       env=env), err))
-    deadline = time.monotonic() + timeout
-    for rank, (p, err) in enumerate(procs):
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q, _ in procs:
-                q.kill()
-            raise AssertionError(f"rank {rank} of {scenario!r} still running after {timeout} s:\n"
-                                 + _read(os.path.join(out_dir, f"rank{rank}.err")))
-        err.close()
-    results = []
-    for rank, (p, _) in enumerate(procs):
-        path = os.path.join(out_dir, f"rank{rank}.json")
-        res = json.load(open(path)) if os.path.exists(path) else None
-        results.append(RankResult(rank, p.returncode, res, _read(os.path.join(out_dir, f"rank{rank}.err"))))
-    return results
+def run_dcp_job(out_dir: str, world: int, scenario: str, **kw: Any) -> list[RankResult]:
+    return run_job(out_dir, world, scenario, worker=WORKER, **kw)
 
 
 @pytest.fixture(autouse=True)

@@ -4,11 +4,7 @@ process group (a plain model, full tensors) and into 4 FSDP2 ranks (uneven shard
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import time
 import warnings
 from typing import Any
 
@@ -19,39 +15,14 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 import ckptstore
 from ckptstore.dcp import METADATA_KEY, StoreReader
-from ranks.rankkit import RankResult, _read, describe, free_port
+from ranks.rankkit import RankResult, describe, run_job
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_worker.py")
-TESTS = os.path.dirname(os.path.dirname(WORKER))
 
 
-def run_native_job(out_dir: str, world: int, scenario: str, *, timeout: float = 120, **config: Any) -> list[RankResult]:
-    """rankkit.run_job for native_worker.py."""
-    os.makedirs(out_dir, exist_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        cfg = {"scenario": scenario, "rank": rank, "world": world, "port": port, "out_dir": out_dir, **config}
-        err = open(os.path.join(out_dir, f"rank{rank}.err"), "w")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.getcwd()])}
-        procs.append((subprocess.Popen([sys.executable, WORKER, json.dumps(cfg)], stdout=err, stderr=subprocess.STDOUT,
-                                       env=env), err))
-    deadline = time.monotonic() + timeout
-    for rank, (p, err) in enumerate(procs):
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q, _ in procs:
-                q.kill()
-            raise AssertionError(f"rank {rank} of {scenario!r} still running after {timeout} s:\n"
-                                 + _read(os.path.join(out_dir, f"rank{rank}.err")))
-        err.close()
-    results = []
-    for rank, (p, _) in enumerate(procs):
-        path = os.path.join(out_dir, f"rank{rank}.json")
-        res = json.load(open(path)) if os.path.exists(path) else None
-        results.append(RankResult(rank, p.returncode, res, _read(os.path.join(out_dir, f"rank{rank}.err"))))
-    return results
+def run_native_job(out_dir: str, world: int, scenario: str, **kw: Any) -> list[RankResult]:
+    kw.setdefault("timeout", 120)  # 4-rank FSDP2 loads on 2 cores
+    return run_job(out_dir, world, scenario, worker=WORKER, **kw)
 
 
 def _ok(results: list[RankResult]) -> None:

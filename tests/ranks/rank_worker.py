@@ -11,15 +11,13 @@ import os
 import signal
 import sys
 import time
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import ckptstore
-from ckptstore.ranks import RankFailure
+from ranks.rankkit import failure, worker_main
 
 
 def state_of(rank: int, step: int) -> dict[str, Any]:
@@ -34,11 +32,6 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     return type(a) is type(b) and a == b
-
-
-def failure(exc: BaseException) -> dict[str, Any]:
-    return {"ok": False, "error_type": type(exc).__name__, "error": str(exc),
-            "failed_ranks": getattr(exc, "ranks", None)}
 
 
 class Job:
@@ -269,13 +262,7 @@ def scenario_restore_fallback(job: Job) -> dict[str, Any]:
     """Every rank restores with fallback=True from a store whose LATEST cut is damaged (one byte of
     rank 1's shard): all agree on the older cut."""
     with job.open(create=False) as store:
-        holder = {"w": torch.zeros(job.rank + 2, 3)}
-
-        class Into:
-            def load_state_dict(self, sd: dict[str, Any]) -> None:
-                holder.update(sd)
-
-        resumed = ckptstore.restore(store, model=None, fallback=True, group=dist.group.WORLD)
+        resumed = ckptstore.restore(store, fallback=True, group=dist.group.WORLD)
         return {"step": resumed.step, "skipped": sorted(resumed.skipped), "latest_after": store.latest().step,
                 "same": same(resumed.state, state_of(job.rank, resumed.step))}
 
@@ -379,28 +366,5 @@ def scenario_fsdp(job: Job) -> dict[str, Any]:
     return {"resumed_from": resumed.step if resumed else None, "digest": digest(model, opt)}
 
 
-def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    rank, world = cfg["rank"], cfg["world"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    job = Job(cfg)
-    try:
-        res = globals()[f"scenario_{cfg['scenario']}"](job)
-    except BaseException as exc:  # noqa: BLE001 - the test reads it
-        res = {**failure(exc), "traceback": traceback.format_exc()}
-    with open(os.path.join(cfg["out_dir"], f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-    if rank == 0:
-        # Rank 0's process hosts the rendezvous store (tcp://): stay until the other ranks are done
-        # reading it, as a job's final barrier would (never waiting for a victim that was killed).
-        others = [r for r in range(1, world) if r != cfg.get("victim")]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not all(
-                os.path.exists(os.path.join(cfg["out_dir"], f"rank{r}.json")) for r in others):
-            time.sleep(0.05)
-    os._exit(0)  # never wait in destroy_process_group for a rank that is gone
-
-
 if __name__ == "__main__":
-    main()
+    worker_main(globals(), Job)

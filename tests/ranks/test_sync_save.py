@@ -120,7 +120,24 @@ def test_a_killed_rank_on_the_s3_server(tmp_path, s3_url, victim, phase):
     assert survivor["error_type"] == "RankFailure" and survivor["failed_ranks"] == [victim], describe(res)
     with ckptstore.Store.open(url, readonly=True, options=ckptstore.StoreOptions(storage_options=opts)) as store:
         assert store.latest().step == 1
-    time.sleep(3.5)  # a killed rank 0 held the writer lease; the restart may take it once it expired
+    # A killed rank 0 held the writer lease: the restart can take it once it expired (3 s ttl).
+    wait_until_writable(url, opts, within=30)
     res2 = run_job(str(tmp_path / "out2"), 2, "resume", url=url, storage_options=opts, lease_ttl_s=3.0, timeout=150)
     assert all(r.result and r.result.get("state_ok") for r in res2), describe(res2)
     assert res2[0].result["verify_ok"]
+
+
+def wait_until_writable(url: str, opts: dict, *, within: float) -> None:
+    """Until the writer lease can be taken (a dead holder's expired), polling; fails after ``within`` s.
+    Takes it without recovery, so the restart's own open still does that."""
+    from ckptstore.store import open_for_repair
+
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            open_for_repair(url, ckptstore.StoreOptions(storage_options=opts, lease_ttl_s=3.0)).close()
+            return
+        except ckptstore.StoreLocked:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

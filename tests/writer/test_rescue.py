@@ -5,11 +5,9 @@ the lock it inherited, and exits; nothing stays behind."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 
