@@ -60,11 +60,12 @@ from .retention import KeepLast, Policy
 from .shards import check_header_matches, read_header, read_shard_into, read_tensor_range
 from .store import Store
 from .tree import Leaf
+from .verify import DCP_METADATA_KEY
 
 log = logging.getLogger("ckptstore.dcp")
 
 #: The manifest ``metadata`` key that holds a DCP cut's ``Metadata`` (docs/dcp.md).
-METADATA_KEY = "ckptstore.dcp"
+METADATA_KEY = DCP_METADATA_KEY
 #: The version of that JSON document.
 METADATA_FORMAT_VERSION = 1
 #: The DCP metadata version written (FileSystemWriter's ``CURRENT_DCP_VERSION``).

@@ -140,6 +140,29 @@ def tree_problem(m: Manifest) -> str | None:
     return None
 
 
+#: The manifest metadata key of a cut written through ckptstore.dcp (its DCP Metadata as JSON).
+DCP_METADATA_KEY = "ckptstore.dcp"
+
+
+def _dcp_byte_io_fqns(m: Manifest) -> list[str]:
+    doc = m.metadata.get(DCP_METADATA_KEY) if isinstance(m.metadata, dict) else None
+    entries = doc.get("state_dict_metadata") if isinstance(doc, dict) else None
+    if not isinstance(entries, list):
+        return []
+    return [str(e.get("fqn")) for e in entries if isinstance(e, dict) and e.get("kind") == "bytes"]
+
+
+def dcp_byte_io_items(m: Manifest) -> int:
+    """How many of a DCP cut's values are byte-IO items (bytes DCP made with torch.save): verify names
+    them, because loading them through DCP unpickles them."""
+    return len(_dcp_byte_io_fqns(m))
+
+
+def dcp_byte_io_example(m: Manifest) -> str:
+    fqns = _dcp_byte_io_fqns(m)
+    return fqns[0] if fqns else ""
+
+
 def verify_store(
     storage: Storage,
     cls: Classification,
@@ -164,6 +187,12 @@ def verify_store(
         problem = tree_problem(m)
         if problem is not None:
             add(Finding("error", "tree-invalid", problem, m.cut, layout.manifest_path(m.cut)))
+        byte_io = dcp_byte_io_items(m)
+        if byte_io:
+            add(Finding("notice", "dcp-byte-io", f"{byte_io} value(s) saved through DCP as torch.save bytes "
+                        f"(e.g. {dcp_byte_io_example(m)!r}): stored and hashed as uint8 arrays, never unpickled "
+                        "by ckptstore; DCP's loader unpickles them (weights_only=False), so load this cut "
+                        "through DCP only from a store you trust", m.cut, layout.manifest_path(m.cut)))
         for rec in m.files:
             report.findings.extend(verify_file(storage, m, rec, progress))
             report.files_checked += 1

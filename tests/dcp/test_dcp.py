@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from typing import Any
@@ -62,7 +63,11 @@ def test_single_process_save_verify_load_bitwise(tmp_path, capsys):
         raw = ckptstore.load(url, rank=0)
         assert set(raw) == {"tensors", "byte_io"}
         assert raw["byte_io"] and all(t.dtype == torch.uint8 and t.dim() == 1 for t in raw["byte_io"].values())
-    assert cli(["verify", url]) == 0
+    capsys.readouterr()
+    assert cli(["verify", url, "--json"]) == 0
+    notices = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["kind"] == "dcp-byte-io"]
+    assert len(notices) == 1 and notices[0]["severity"] == "notice", notices
+    assert "14 value(s)" in notices[0]["message"] and "torch.save bytes" in notices[0]["message"]
     assert cli(["show", url, "--tensors"]) == 0
     capsys.readouterr()
 
