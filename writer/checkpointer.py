@@ -30,6 +30,7 @@ from ckptstore.events import Emitter, JsonLinesFile
 from ckptstore.manifest import FileRecord
 from ckptstore.options import StoreOptions
 from ckptstore.pending import PendingCut, RankPart
+from ckptstore.ranks import check_same
 from ckptstore.retention import Policy
 from ckptstore.storage import StorageSpec
 from ckptstore.store import Store
@@ -40,6 +41,7 @@ from .committer import CutHandle, elapsed
 from .errors import WriterDied, WriterError, WriterTimeout
 from .options import WriterOptions
 from .plan import grown_size
+from .preemption import PreemptionWatch
 from .process import WriterProcess
 from .ranked import RankedCuts
 from .shm import Block
@@ -112,6 +114,17 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._run, name="ckptstore-commit", daemon=True)
             self._thread.start()
         atexit.register(self._at_exit)
+        #: True once a preemption cut (``preemption=True``) committed: the loop should end now.
+        self.preempted = False
+        self._preemption: PreemptionWatch | None = None
+        try:
+            if options.preemption:
+                self._preemption = PreemptionWatch(store=self.store.url)
+        except BaseException as exc:
+            if self.ranked is not None:
+                self.ranked.agree_ready(exc)
+            self.close_locally()
+            raise
         if self.ranked is not None:
             try:
                 self.ranked.agree_ready(None)
@@ -122,7 +135,15 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------ public API
     def maybe_cut(self, step: int, state: Any, **kw: Any) -> CutHandle | None:
         """Takes a cut when ``step % every == 0`` and none is in flight (``busy="skip"``); returns its
-        handle, or None when no cut is due or it was skipped."""
+        handle, or None when no cut is due or it was skipped.
+
+        With ``preemption=True``, after SIGTERM or SIGUSR1 (on any rank) it instead takes a cut of this
+        step whatever ``every`` says, tagged "preempted", waits until it is committed and sets
+        :attr:`preempted` (docs/writer.md, "Preemption")."""
+        if self._preemption is not None:
+            handle = self._preempt(step, state, **kw)
+            if handle is not None:
+                return handle
         if self.ranked is not None:
             if step % self.options.every != 0:
                 return None
@@ -148,6 +169,32 @@ class Checkpointer:
             handle.wait()
         return handle
 
+    def _preempt(self, step: int, state: Any, *, tags: Sequence[str] = (), **kw: Any) -> CutHandle | None:
+        """The preemption cut of ``step`` when a notice arrived (on any rank: agreed every call), else None."""
+        assert self._preemption is not None
+        own = self._preemption.signal_name
+        if self.ranked is not None:
+            where = self.ranked.where
+            msgs = self.ranked.ranks.exchange("preempt", {"step": step if isinstance(step, int) else repr(step),
+                                                          "signal": own}, **where)
+            check_same(msgs, ("step",), "maybe_cut", **where)
+            notices = {r: m["signal"] for r, m in enumerate(msgs) if m["signal"]}
+        else:
+            notices = {0: own} if own else {}
+        if not notices:
+            return None
+        t0 = time.perf_counter()
+        handle = self.cut(step, state, tags=(*tags, "preempted"), **kw)
+        if self.ranked is not None:
+            self.ranked.wait_committed(handle)
+        else:
+            handle.wait()
+        self._preemption.clear()
+        self.preempted = True
+        self.events.emit("preempted", step=step, cut=handle.id, signals=sorted(set(notices.values())),
+                         ranks=sorted(notices), seconds=elapsed(t0))
+        return handle
+
     def close(self, timeout: float | None = None) -> None:
         """Drains the cut in flight, stops the writer, frees the block; raises what failed and was not
         yet reported. A failure here after a final cut committed does not touch that cut."""
@@ -169,6 +216,8 @@ class Checkpointer:
             return
         self._closed = True
         atexit.unregister(self._at_exit)
+        if self._preemption is not None:
+            self._preemption.close()
         cleanup_errors: list[BaseException] = []
         if self._current is not None:
             self._current._done.wait(timeout)

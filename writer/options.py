@@ -25,6 +25,8 @@ class WriterOptions:
     occupies at most one core besides its I/O thread, which mostly waits on the disk).
     ``write_timeout``: seconds without progress after which a writer counts as hung (then it is killed
     and the trainer writes the cut itself). ``events_path`` appends one JSON line per event.
+    ``preemption``: SIGTERM and SIGUSR1 only raise a flag, and the next ``maybe_cut`` takes a cut of its
+    step, waits for its commit and sets ``Checkpointer.preempted`` (docs/writer.md, "Preemption").
     """
 
     every: int = 1
@@ -40,6 +42,7 @@ class WriterOptions:
     on_event: Callable[[dict[str, Any]], None] | None = None
     events_path: str | None = None
     device_copy: bool = True
+    preemption: bool = False
 
     def __post_init__(self) -> None:
         if self.every < 1:

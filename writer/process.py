@@ -44,6 +44,8 @@ class WriterProcess:
         cmd = [*(command or self.COMMAND), "--sock-fd", str(child_end.fileno()),
                "--parent", str(os.getpid()), "--nice", str(options.nice),
                "--hash-threads", str(options.write_threads)]
+        if options.preemption:
+            cmd.append("--stay-on-term")
         if options.idle_io:
             cmd.append("--idle-io")
         if options.cpu_affinity:

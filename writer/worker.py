@@ -236,9 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-io", action="store_true")
     ap.add_argument("--cpus", default="")
     ap.add_argument("--hash-threads", type=int, default=1)
+    ap.add_argument("--stay-on-term", action="store_true")
     args = ap.parse_args(argv)
     worker = Worker(args.sock_fd, args.parent, hash_threads=max(1, args.hash_threads))
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0) if worker.pending is None else None)
+    # A preemption notice is the trainer's to act on (its next maybe_cut takes a cut, through this
+    # process): SIGUSR1 never ends a writer, nor SIGTERM under preemption=True. Without it an idle
+    # writer ends on SIGTERM; either way it ends when its parent does (watch_parent).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if args.stay_on_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0) if worker.pending is None else None)
     if os.getppid() != args.parent:  # the parent died before we got here
         return 0
     threading.Thread(target=worker.watch_parent, name="ckptstore-watch-parent", daemon=True).start()

@@ -201,6 +201,32 @@ def scenario_rank0_alone(job: Job) -> dict[str, Any]:
     return {"idle": True}
 
 
+def scenario_ck_preempt(job: Job) -> dict[str, Any]:
+    """preemption=True on every rank; only rank ``signalled`` receives SIGTERM, at step ``at`` (a real
+    signal, sent to itself mid-step). Every rank must cut that same step and end its loop there."""
+    import signal
+    import time
+
+    ck, events = checkpointer(job, every=1000, preemption=True)
+    ended, seconds = None, []
+    for step in range(1, 50):
+        if step == job.cfg["at"] and job.rank == job.cfg["signalled"]:
+            os.kill(os.getpid(), signal.SIGTERM)
+        t0 = time.perf_counter()
+        h = ck.maybe_cut(step, state_of(job.rank, step))
+        if h is None:
+            seconds.append(time.perf_counter() - t0)
+        if ck.preempted:
+            ended = step
+            break
+    ck.close()
+    latest = ckptstore.Store.open(job.url, readonly=True).latest()
+    return {"ended": ended, "latest": [latest.step, list(latest.tags), latest.world_size],
+            "preempted": [{k: e[k] for k in ("step", "signals", "ranks")} for e in events if e["event"] == "preempted"],
+            "same": same(ckptstore.load(job.url, rank=job.rank), state_of(job.rank, ended or 0)),
+            "median_check_ms": round(1000 * sorted(seconds)[len(seconds) // 2], 3) if seconds else None}
+
+
 def scenario_ck_mismatch(job: Job) -> dict[str, Any]:
     ck, _ = checkpointer(job, every=1)
     try:

@@ -42,6 +42,18 @@ def test_skip_is_decided_for_all_ranks_together(tmp_path):
     assert a["skipped"] > 0, describe(res)
 
 
+def test_a_preemption_signal_on_one_rank_makes_every_rank_cut_that_step(tmp_path):
+    """SIGTERM reaches rank 1 only (at step 5): the notice is agreed at the next maybe_cut, so both
+    ranks cut step 5 (every=1000), wait for its commit and end their loops there."""
+    url = str(tmp_path / "store")
+    res = run_job(str(tmp_path / "out"), 2, "ck_preempt", url=url, at=5, signalled=1)
+    assert all(r.result and r.result.get("same") for r in res), describe(res)
+    for r in res:
+        assert r.result["ended"] == 5 and r.result["latest"] == [5, ["preempted"], 2], describe(res)
+        assert r.result["preempted"] == [{"step": 5, "signals": ["SIGTERM"], "ranks": [1]}], describe(res)
+    assert ckptstore.Store.open(url, readonly=True).verify().ok
+
+
 def test_a_rank_at_another_step_is_named(tmp_path):
     res = run_job(str(tmp_path / "out"), 2, "ck_mismatch", url=str(tmp_path / "store"), odd_rank=1)
     for r in res:

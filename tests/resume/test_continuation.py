@@ -38,23 +38,48 @@ TOTAL = 2 * N
 EVERY = 3
 PATHS = ("sync", "checkpointer")
 RUN_TIMEOUT = 300  # seconds; a bound on a hang, not a clock
+GRACE_S = 60  # a cluster's grace period between the preemption notice and SIGKILL (SLURM's default KillWait is 30 s)
 
 
 class Run:
     """One trainer process: started at once, finished (output parsed) on demand."""
 
-    def __init__(self, url: str, out: str, path: str, kill_after: int | None) -> None:
+    def __init__(self, url: str, out: str, path: str, kill_after: int | None, *more: str) -> None:
         cmd = [sys.executable, str(TRAINER), url, "--steps", str(TOTAL), "--path", path, "--every", str(EVERY),
-               "--out", out]
+               "--out", out, *more]
         if kill_after is not None:
             cmd += ["--kill-after", str(kill_after)]
         self.out = out
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     stdin=subprocess.PIPE if more else subprocess.DEVNULL,
                                      cwd=str(TRAINER.parent.parent.parent))
         self.pid = self.proc.pid
         self.returncode: int | None = None
         self.events: list[dict[str, Any]] = []
         self.stderr = ""
+        self._read = ""
+
+    def preempt(self, signals: tuple[signal.Signals, ...]) -> float:
+        """For a run with --preempt-at: waits until it pauses inside that step, sends ``signals`` to the
+        trainer and its writer process (as SLURM signals every process of a job step), lets the step end,
+        and returns the seconds from the first signal until the trainer exited (bounded: the grace period)."""
+        lines = []
+        while True:
+            line = self.proc.stdout.readline()
+            assert line, f"trainer ended before pausing: {''.join(lines)}"
+            lines.append(line)
+            if line.startswith("{") and json.loads(line)["event"] == "paused":
+                paused = json.loads(line)
+                break
+        self._read = "".join(lines)
+        t0 = time.monotonic()
+        for sig in signals:
+            for pid in (paused["pid"], paused["writer_pid"]):
+                os.kill(pid, sig)
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        self.proc.wait(timeout=GRACE_S)
+        return time.monotonic() - t0
 
     def finish(self) -> "Run":
         if self.returncode is None:
@@ -65,6 +90,7 @@ class Run:
                 stdout, self.stderr = self.proc.communicate()
                 raise AssertionError(f"trainer hung:\n{stdout}\n{self.stderr}") from None
             self.returncode = self.proc.returncode
+            stdout = self._read + stdout
             self.events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
         return self
 
@@ -92,8 +118,10 @@ def runs(tmp_path_factory) -> dict[str, Any]:
 def _run_all(root: Path, started: list[Run]) -> dict[str, Any]:
     ref = Run(str(root / "ref-store"), str(root / "ref.pt"), "sync", None)
     killed = {p: Run(str(root / f"{p}-store"), str(root / f"{p}-killed.pt"), p, N) for p in PATHS}
-    started += [ref, *killed.values()]
-    for r in (ref, *killed.values()):
+    preempted = Run(str(root / "preempt-store"), str(root / "preempt.pt"), "checkpointer", None, "--preempt-at", str(N))
+    started += [ref, *killed.values(), preempted]
+    exit_s = preempted.preempt((signal.SIGUSR1, signal.SIGTERM))
+    for r in (ref, *killed.values(), preempted):
         r.finish()
     # What the kill left, read before anything resumes.
     after_kill: dict[str, Any] = {}
@@ -101,11 +129,15 @@ def _run_all(root: Path, started: list[Run]) -> dict[str, Any]:
         with Store.open(str(root / f"{p}-store"), readonly=True) as s:
             after_kill[p] = {"latest": s.latest(), "cuts": s.cuts()}
         after_kill[p]["resume_info"] = resume_info(str(root / f"{p}-store"))
+    with Store.open(str(root / "preempt-store"), readonly=True) as s:
+        after_kill["preempt"] = {"latest": s.latest(), "cuts": s.cuts()}
     resumed = {p: Run(str(root / f"{p}-store"), str(root / f"{p}-resumed.pt"), p, None) for p in PATHS}
+    resumed["preempt"] = Run(str(root / "preempt-store"), str(root / "preempt-resumed.pt"), "checkpointer", None)
     started += resumed.values()
     for r in resumed.values():
         r.finish()
-    return {"ref": ref, "killed": killed, "after_kill": after_kill, "resumed": resumed, "root": root}
+    return {"ref": ref, "killed": killed, "after_kill": after_kill, "resumed": resumed, "root": root,
+            "preempted": preempted, "preempt_exit_s": exit_s}
 
 
 def resume_info(url: str) -> tuple[int, dict[str, Any]]:
@@ -182,7 +214,25 @@ def test_reference_run_is_uninterrupted(runs):
     assert sorted(ref.final_state()["losses"]) == list(range(1, TOTAL + 1))
 
 
-@pytest.mark.parametrize("path", PATHS)
+def test_preemption_signals_end_the_run_with_a_cut_of_that_step(runs):
+    """SIGUSR1 then SIGTERM, sent to the trainer and its writer while step N runs (as a cluster does at
+    the start of the grace period): the Checkpointer's handlers only raise a flag (and chain to the
+    trainer's own SIGTERM handler), maybe_cut(N) takes a cut of step N though N % every != 0, through
+    the writer process (which ignored the signals), waits for its commit, and the run exits 0 within
+    the grace period with LATEST at step N, tagged "preempted"."""
+    run = runs["preempted"]
+    assert run.returncode == 0, run.stderr
+    assert runs["preempt_exit_s"] < GRACE_S
+    (pre,) = run.of("preempted")
+    assert pre == {"event": "preempted", "step": N, "chained": [int(signal.SIGTERM)], "fallback": None}, pre
+    cuts = [e["step"] for e in run.of("cut")]  # a periodic cut may be skipped while one is in flight
+    assert N % EVERY != 0 and cuts[-1] == N and set(cuts[:-1]) <= {3, 6}, cuts
+    latest = runs["after_kill"]["preempt"]["latest"]
+    assert latest.step == N and "preempted" in latest.tags and not latest.final
+    assert run.of("done") == []
+
+
+@pytest.mark.parametrize("path", [*PATHS, "preempt"])
 def test_resumed_run_ends_bitwise_identical_to_the_uninterrupted_run(runs, path):
     ref = runs["ref"].final_state()
     got = runs["resumed"][path].final_state()

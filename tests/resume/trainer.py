@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-after", type=int, default=None, help="SIGKILL right after this step's cut commits")
     ap.add_argument("--path", choices=["sync", "checkpointer"], required=True)
     ap.add_argument("--every", type=int, default=3)
+    ap.add_argument("--preempt-at", type=int, default=None,
+                    help="checkpointer path with preemption=True: at this step print 'paused' and wait for a "
+                         "line on stdin (the test sends the preemption signals meanwhile)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
@@ -139,12 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         say(event="resumed", step=resumed.step, cut=resumed.cut.id)
 
     ck = None
+    chained: list[int] = []
     if args.path == "checkpointer":
         from ckptstore.writer import Checkpointer
 
         # nice=0: the test machine's CPUs are shared, and a niced writer can starve for many seconds;
         # the writer's priority is not what this run tests.
-        ck = Checkpointer(args.url, every=args.every, mode="process", nice=0)
+        preemption = args.preempt_at is not None
+        if preemption:  # a framework's own SIGTERM handler, installed first: the Checkpointer chains to it
+            signal.signal(signal.SIGTERM, lambda signum, frame: chained.append(signum))
+        ck = Checkpointer(args.url, every=args.every, mode="process", nice=0, preemption=preemption)
     pending: list[Any] = []
 
     def report_done() -> None:
@@ -160,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     losses: dict[int, float] = {}
     for step in range(start + 1, args.steps + 1):
         losses[step] = train_step(model, optimizer, scheduler, pos.next_batch())
+        if step == args.preempt_at:
+            say(event="paused", step=step, pid=os.getpid(), writer_pid=ck.writer_pid if ck is not None else None)
+            sys.stdin.readline()
         kill_now = step == args.kill_after
         if store is not None:
             if step % args.every == 0 or kill_now:
@@ -176,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
                 if h is not None:
                     pending.append(h)
             report_done()
+            if ck.preempted:  # the preemption cut of this step is committed: end the run, exit 0
+                assert h is not None
+                say(event="preempted", step=step, chained=chained, fallback=h.fallback)
+                ck.close()
+                return 0
         if kill_now:
             say(event="kill", step=step, pid=os.getpid(), writer_pid=ck.writer_pid if ck is not None else None)
             os.kill(os.getpid(), signal.SIGKILL)
