@@ -837,8 +837,18 @@ def write_doc(path: str, body: str) -> None:
         "",
     ]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    # Keep the region bench_dcp.py maintains in the same file (between its begin/end markers).
+    keep = ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = f.read()
+        begin, end = "<!-- bench_dcp:begin -->", "<!-- bench_dcp:end -->"
+        if begin in old and end in old.split(begin, 1)[1]:
+            keep = "\n" + begin + old.split(begin, 1)[1].split(end, 1)[0] + end + "\n"
+    except FileNotFoundError:
+        pass
     with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(head) + "\n" + body)
+        f.write("\n".join(head) + "\n" + body + keep)
 
 
 def main(argv: list[str] | None = None) -> int:
