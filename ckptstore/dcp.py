@@ -703,31 +703,60 @@ class StoreReader(StorageReader):
             part = parts[rank]
             frec = next(f for f in part.files if f.name == fname)
             in_file = [t for t in part.tensors if t.file == fname]
-            arrays = self._read_file(storage, part, frec, in_file, set(wanted), where)
+            # A saved array that one request takes whole, into a CPU tensor of its dtype and shape (a load
+            # at the world size of the save, or of an unsharded tensor), is read straight into that
+            # tensor: no second buffer and no second copy. The rest is read into fresh arrays and copied.
+            direct = {name: target for name, reqs in wanted.items()
+                      if (target := self._direct_target(records[(rank, name)], reqs, planner)) is not None}
+            arrays = self._read_file(storage, part, frec, in_file, set(wanted), direct, where)
             for name, reqs in wanted.items():
-                self._apply(arrays.pop(name), reqs, planner, where)
+                if name in direct:
+                    planner.commit_tensor(reqs[0], direct[name])
+                else:
+                    self._apply(arrays.pop(name), reqs, planner, where)
         return _done(None)
 
+    @staticmethod
+    def _direct_target(rec: TensorRecord, reqs: list[Any], planner: LoadPlanner) -> Any:
+        """The planner's tensor for a request that takes the whole saved array ``rec``, when its bytes can
+        be read into directly (CPU, contiguous, same dtype and shape, not empty); else None."""
+        if len(reqs) != 1 or rec.kind != "torch" or not rec.nbytes:
+            return None
+        req = reqs[0]
+        if req.type == LoadItemType.BYTE_IO or any(int(o) for o in req.storage_offsets) \
+                or [int(n) for n in req.lengths] != list(rec.shape):
+            return None
+        target = planner.resolve_tensor(req).detach()
+        if (target.device.type != "cpu" or not target.is_contiguous() or list(target.shape) != list(rec.shape)
+                or str(target.dtype).removeprefix("torch.") != rec.dtype):
+            return None
+        return target
+
     def _read_file(self, storage: Any, part: Manifest, frec: Any, in_file: list[TensorRecord], wanted: set[str],
-                   where: dict[str, Any]) -> dict[str, Any]:
+                   direct: dict[str, Any], where: dict[str, Any]) -> dict[str, Any]:
+        """Reads (and verifies) the ``wanted`` arrays of one shard file: those in ``direct`` into their
+        target tensors, the others into fresh arrays, returned by name."""
         objs: dict[str, Any] = {}
         fwhere = {**where, "path": f"cuts/{part.cut}/{frec.name}"}
+
+        def into(t: TensorRecord) -> memoryview:
+            target = direct.get(t.name)
+            if target is not None:
+                return memoryview(target.reshape(-1).view(torch.uint8).numpy())
+            obj, view = empty_for(t.kind, t.dtype, t.shape, t.nbytes)
+            objs[t.name] = obj
+            return view
+
         if frec.codec == "none" and len(wanted) < len(in_file):
             header = read_header(storage, part.cut, frec)
             check_header_matches(header, in_file, fwhere)
             for t in in_file:
                 if t.name in wanted:
-                    obj, view = empty_for(t.kind, t.dtype, t.shape, t.nbytes)
-                    read_tensor_range(storage, part.cut, frec, header, t, view, verify=self.verify)
-                    objs[t.name] = obj
+                    read_tensor_range(storage, part.cut, frec, header, t, into(t), verify=self.verify)
             return objs
 
         def dest(t: TensorRecord) -> memoryview:
-            if t.name in wanted:
-                obj, view = empty_for(t.kind, t.dtype, t.shape, t.nbytes)
-                objs[t.name] = obj
-                return view
-            return memoryview(bytearray(t.nbytes))
+            return into(t) if t.name in wanted else memoryview(bytearray(t.nbytes))
 
         read_shard_into(storage, part.cut, frec, in_file, dest, format_version=part.format_version, verify=self.verify)
         return objs
