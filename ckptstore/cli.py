@@ -18,7 +18,8 @@ from .errors import CkptStoreError, CutNotFound, DataError, StorageError, StoreL
 from .info import CutInfo
 from .manifest import Manifest
 from .retention import KeepEvery, KeepFinal, KeepLast, KeepTagged, Policy
-from .store import Store, open_for_repair, rank_manifest
+from .selection import select_manifest
+from .store import Store, leftover_json, open_for_repair, rank_manifest
 
 EXIT_OK, EXIT_PROBLEM, EXIT_CANNOT_RUN = 0, 1, 2
 
@@ -164,7 +165,7 @@ def _selector(s: str | None) -> str | int:
 def cmd_ls(args: argparse.Namespace) -> int:
     with Store.open(args.url, readonly=True) as store:
         cls = store.classify()
-        cuts = [CutInfo.from_manifest(m) for m in cls.committed]
+        cuts = [cls.info(m) for m in cls.committed]
         latest = cls.latest.cut if cls.latest else None
         doc = {"store": store.url, "latest": latest, "latest_problem": cls.latest_problem,
                "cuts": [c.to_json() for c in cuts],
@@ -180,9 +181,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     with Store.open(args.url, readonly=True) as store:
-        m = store.manifest(_selector(args.cut))
-        info = CutInfo.from_manifest(m)
         cls = store.classify()
+        m = select_manifest(cls, _selector(args.cut), store.url)
+        info = cls.info(m)
         # --rank R: the files and tensors listed are rank R's only (the cut's totals stay in the doc)
         part = m if args.rank is None else rank_manifest(m, args.rank, store.url)
         counts = _rank_counts(m)
@@ -191,7 +192,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                                "ranks": counts, "rank": args.rank,
                                "files": [f.model_dump() for f in part.files]}
         lines = [
-            f"cut       {m.cut}", f"step      {m.step}", f"final     {'yes' if m.final else 'no'}",
+            f"cut       {m.cut}", f"step      {m.step}", f"final     {'yes' if info.final else 'no'}",
             f"latest    {'yes' if doc['latest'] else 'no'}", f"tags      {', '.join(m.tags) or '-'}",
             f"size      {human_bytes(info.nbytes)} in {len(m.files)} file(s), {len(m.tensors)} tensor(s)",
             f"ranks     {m.world_size}",
@@ -285,22 +286,39 @@ def _policy(args: argparse.Namespace) -> Policy:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     policy = _policy(args)
-    with Store.open(args.url) as store:
-        removed = store.prune(policy, dry_run=args.dry_run)
+    # A dry run opens without recovery: it must not delete a crash's leftovers either (issue 10, item 2).
+    with Store.open(args.url, recover=not args.dry_run) as store:
+        removed = store.prune(policy, dry_run=args.dry_run, verify_kept=not args.no_verify)
         verb = "would remove" if args.dry_run else "removed"
         doc = {"dry_run": args.dry_run, "removed": [c.to_json() for c in removed],
-               "kept": [c.to_json() for c in store.cuts() if c.id not in {r.id for r in removed}]}
+               "kept": [c.to_json() for c in store.cuts() if c.id not in {r.id for r in removed}],
+               "removed_at_open": [leftover_json(lo) for lo in store.recovered]}
         text = f"{verb} {len(removed)} cut(s)"
         if removed:
             text = table(CUT_HEADERS, _cut_rows(removed, None)) + "\n" + text
+        if store.recovered:
+            text += f"\nrecovery at open removed {len(store.recovered)} leftover(s) of interrupted work: " + \
+                ", ".join(p for lo in store.recovered for p in lo.paths)
         emit(args, doc, text)
         return EXIT_OK
 
 
+def cmd_rm(args: argparse.Namespace) -> int:
+    # A dry run opens without recovery: it must not delete a crash's leftovers either (issue 10, item 2).
+    with Store.open(args.url, recover=not args.dry_run) as store:
+        removed = store.remove(_selector(args.cut), dry_run=args.dry_run, verify_kept=not args.no_verify)
+        verb = "would remove" if args.dry_run else "removed"
+        doc = {"dry_run": args.dry_run, "removed": removed.to_json(),
+               "removed_at_open": [leftover_json(lo) for lo in store.recovered]}
+        emit(args, doc, f"{verb} cut {removed.id} (step {removed.step})")
+        return EXIT_OK
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
-    with Store.open(args.url) as store:
-        # Opening as writer already cleans leftovers (recovery); report what it found, too.
-        report = store.gc(dry_run=True) if args.dry_run else store.gc()
+    # Opened without recovery, so the dry run deletes nothing and the real run reports every removal
+    # (recovery is this very gc) (issue 10, item 2).
+    with Store.open(args.url, recover=False) as store:
+        report = store.gc(dry_run=args.dry_run)
         verb = "would remove" if args.dry_run else "removed"
         rows = [[lo.kind, lo.cut or "-", ", ".join(lo.paths)] for lo in report.removed]
         text = (table(["kind", "cut", "paths"], rows) + "\n" if rows else "") + f"{verb} {len(report.removed)} leftover(s)"
@@ -381,7 +399,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         m = store.manifest(_selector(args.cut))
         _cli_rank_part(m, args.rank, store.url, "export")  # the CLI's word for a missing --rank
         doc = export_cut(store, m.cut, args.to, fmt=args.format, allow_pickle_format=args.allow_pickle_format,
-                         rank=args.rank)
+                         allow_pickle=args.allow_pickle, force=args.force, rank=args.rank)
         whose = f" rank {doc['rank']} of {doc['world_size']}" if doc["world_size"] > 1 else ""
         emit(args, doc,
              f"exported {doc['cut']}{whose} ({doc['tensors']} tensors) to {doc['path']} as {doc['format']}")
@@ -415,6 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep-tag", action="append", default=[], metavar="TAG", help="keep cuts tagged TAG (repeatable)")
     sp.add_argument("--keep-final", action="store_true", help="keep cuts marked final")
     sp.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    sp.add_argument("--no-verify", action="store_true",
+                    help="do not verify the newest kept cut before removing others (see docs/cli.md)")
+    sp = add("rm", cmd_rm, "remove one committed cut, under prune's rules (never LATEST's, never one tagged keep)")
+    sp.add_argument("cut", help="a cut id or a step number")
+    sp.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+    sp.add_argument("--no-verify", action="store_true",
+                    help="do not refuse to remove the newest cut that verifies when LATEST's does not")
     sp = add("gc", cmd_gc, "remove leftovers of interrupted saves and prunes (never foreign files)")
     sp.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     add("repair", cmd_repair, "point LATEST at the newest cut that verifies")
@@ -426,12 +451,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compare this rank's parts (required for cuts of several ranks)")
     sp = add("export", cmd_export, "write a cut as one safetensors or torch.save file")
     sp.add_argument("cut", nargs="?", default=None)
-    sp.add_argument("--to", required=True, help="output file")
+    sp.add_argument("--to", required=True, help="output file (refused if it exists, unless --force)")
     sp.add_argument("--rank", type=int, default=None,
                     help="export this rank's state (required for cuts of several ranks)")
     sp.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
     sp.add_argument("--allow-pickle-format", action="store_true",
-                    help="needed for --format torch: torch.load unpickles what it reads")
+                    help="needed for --format torch (the output): torch.load unpickles what it reads")
+    sp.add_argument("--allow-pickle", action="store_true",
+                    help="let the read unpickle values the cut holds (the input; only for cuts you trust)")
+    sp.add_argument("--force", action="store_true", help="replace the file at --to if it exists")
     return p
 
 

@@ -530,6 +530,9 @@ def native_metadata(m: Manifest, *, where: dict[str, Any]) -> Metadata:
         records = part.tensor_index()
         for fqn, node in _dcp_leaves(tree):
             kind = node.get("t") if isinstance(node, dict) else None
+            if kind == "tensor" and "view" in node:  # a view of an array shared with other tensors
+                skipped.append(fqn)
+                continue
             if kind in ("tensor", "dtensor"):
                 rec = records.get(node.get("name"))
                 if rec is None or rec.kind != "torch":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -58,10 +59,53 @@ TORCH_DTYPES: dict[str, tuple[str, int]] = {
     "float8_e8m0fnu": ("U8", 1),
 }
 
+#: Every dtype name torch (2.x) gives a ``torch.dtype`` value; a "dtype" tree node must be one. A static
+#: set, so ``verify`` checks these nodes exactly as a load decodes them, without importing torch.
+TORCH_DTYPE_NAMES = frozenset({
+    "bfloat16", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "complex128", "complex32",
+    "complex64", "float16", "float32", "float4_e2m1fn_x2", "float64", "float8_e4m3fn", "float8_e4m3fnuz",
+    "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "int1", "int16", "int2", "int3", "int32", "int4",
+    "int5", "int6", "int64", "int7", "int8", "qint32", "qint8", "quint2x4", "quint4x2", "quint8", "uint1",
+    "uint16", "uint2", "uint3", "uint32", "uint4", "uint5", "uint6", "uint64", "uint7", "uint8",
+})
+#: The device types ``torch.device`` parses (c10 DeviceType), with an optional index of 0..127 (an
+#: int8): a "device" tree node must be one. Backends registered at run time (privateuse1 renamed) are
+#: not known here and are refused.
+_DEVICE = re.compile(r"(cpu|cuda|ipu|xpu|opengl|opencl|ideep|hip|ve|fpga|maia|xla|lazy|vulkan|mps|meta|hpu|mtia"
+                     r"|privateuseone)(?::(0|[1-9][0-9]{0,2}))?")
+
+
+def check_device(spec: str) -> None:
+    """ValueError unless ``torch.device(spec)`` accepts ``spec`` (checked without torch)."""
+    m = _DEVICE.fullmatch(spec) if type(spec) is str else None
+    if m is None or (m.group(2) is not None and int(m.group(2)) > 127):
+        raise ValueError(f"unknown device {spec!r}")
+
+
 _NUMPY_TO_ST = {
     "|b1": "BOOL", "|u1": "U8", "|i1": "I8", "<i2": "I16", "<u2": "U16", "<i4": "I32", "<u4": "U32",
     "<i8": "I64", "<u8": "U64", "<f2": "F16", "<f4": "F32", "<f8": "F64", "<c8": "C64",
 }
+
+_NUMPY_DTYPE = re.compile(r"[<>|=]([biufcmM])(\d{1,2})(?:\[([a-zA-Z]+)\])?")
+#: The item sizes numpy has for each kind ckptstore stores (f16/c32: long double, where the platform
+#: has one); "<i3" or "<f1" match the pattern, yet np.dtype refuses them (issue 10, item 8).
+_NUMPY_SIZES = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8, 16), "c": (8, 16, 32),
+                "m": (8,), "M": (8,)}
+_TIME_UNITS = frozenset({"Y", "M", "W", "D", "h", "m", "s", "ms", "us", "ns", "ps", "fs", "as", "generic"})
+
+
+def numpy_itemsize(dtype: str) -> int:
+    """The item size of a numpy ``dtype.str`` that ckptstore stores, checked without numpy (verify runs
+    without it) against exactly what ``np.dtype`` accepts; ValueError otherwise."""
+    m = _NUMPY_DTYPE.fullmatch(dtype) if type(dtype) is str else None
+    if m is None or int(m.group(2)) not in _NUMPY_SIZES[m.group(1)]:
+        raise ValueError(f"unsupported numpy dtype {dtype!r}")
+    unit = m.group(3)
+    if unit is not None and (m.group(1) not in "mM" or unit not in _TIME_UNITS):
+        raise ValueError(f"unsupported numpy dtype {dtype!r}")
+    return int(m.group(2))
+
 
 ST_ITEMSIZE = {
     "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,

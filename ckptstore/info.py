@@ -26,10 +26,12 @@ class CutInfo:
     world_size: int = 1
 
     @classmethod
-    def from_manifest(cls, m: Manifest) -> "CutInfo":
+    def from_manifest(cls, m: Manifest, *, marked_final: bool = False) -> "CutInfo":
+        """``marked_final``: the cut has a final mark (``Store.mark_final``), so it is final even if its
+        manifest says otherwise."""
         return cls(
             id=m.cut, step=m.step, tags=tuple(m.tags), created_at=datetime.fromisoformat(m.created_at),
-            nbytes=m.nbytes, final=m.final, files=len(m.files), tensors=len(m.tensors),
+            nbytes=m.nbytes, final=m.final or marked_final, files=len(m.files), tensors=len(m.tensors),
             metadata=dict(m.metadata), world_size=m.world_size,
         )
 

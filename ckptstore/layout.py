@@ -27,6 +27,8 @@ LATEST_FILE = "LATEST"
 CUTS_DIR = "cuts"
 MARKS_DIR = "marks"
 BAD_DIR = "bad"
+FINAL_DIR = "final"  # final marks: cuts marked final after their commit (Store.mark_final)
+LABELS_DIR = "labels"  # labels: names for committed cuts (ckptstore.labels)
 MANIFEST_FILE = "MANIFEST.json"
 LOCK_FILE = ".writer.lock"
 LEASE_FILE = ".writer.lease"  # the object-store writer lease (ckptstore.lock)
@@ -34,7 +36,8 @@ WRITER_FILE = "WRITER.json"
 TMP_PREFIX = ".tmp-"
 
 #: Everything the store itself may create at the root; anything else there is foreign.
-ROOT_ENTRIES = frozenset({STORE_FILE, LATEST_FILE, CUTS_DIR, MARKS_DIR, BAD_DIR, LOCK_FILE, LEASE_FILE, WRITER_FILE})
+ROOT_ENTRIES = frozenset({STORE_FILE, LATEST_FILE, CUTS_DIR, MARKS_DIR, BAD_DIR, FINAL_DIR, LABELS_DIR, LOCK_FILE,
+                          LEASE_FILE, WRITER_FILE})
 
 _CUT_ID = re.compile(r"^step-(\d{12})-([0-9a-f]{8})$")
 _SHARD = re.compile(r"^rank(\d{5})-(\d{5})\.safetensors(\.zst)?$")
@@ -127,6 +130,10 @@ def mark_path(cut_id: str) -> str:
 
 def bad_path(cut_id: str) -> str:
     return f"{BAD_DIR}/{cut_id}.json"
+
+
+def final_path(cut_id: str) -> str:
+    return f"{FINAL_DIR}/{cut_id}.json"
 
 
 def cut_id_of_mark(name: str) -> str | None:

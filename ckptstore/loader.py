@@ -7,6 +7,7 @@ Nothing is unpickled unless the caller passes ``allow_pickle=True``.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 from .arrays import empty_for, finish_tensor
@@ -65,21 +66,20 @@ def load_manifest(
             # load refuses.
             check_header_matches(header, in_file, {**where, "path": f"cuts/{m.cut}/{rec.name}"})
             for t in wanted:
-                obj, view = empty_for(t.kind, t.dtype, t.shape, t.nbytes)
+                obj, view = _allocate(t, {**where, "path": f"cuts/{m.cut}/{rec.name}"})
                 read_tensor_range(storage, m.cut, rec, header, t, view, verify=verify)
                 objs[t.name] = obj
             continue
-        scratch: dict[str, memoryview] = {}
 
-        def dest(t: TensorRecord) -> memoryview:
+        def dest(t: TensorRecord, path: str = f"cuts/{m.cut}/{rec.name}") -> memoryview | None:
             if t.name in needed:
-                obj, view = empty_for(t.kind, t.dtype, t.shape, t.nbytes)
+                obj, view = _allocate(t, {**where, "path": path})
                 objs[t.name] = obj
                 return view
-            scratch[t.name] = memoryview(bytearray(t.nbytes))
-            return scratch[t.name]
+            return None  # read and checked through a bounded buffer, then dropped
 
-        read_shard_into(storage, m.cut, rec, in_file, dest, format_version=m.format_version, verify=verify)
+        read_shard_into(storage, m.cut, rec, in_file, dest, format_version=m.format_version, verify=verify,
+                        reuses_buffers=len(wanted) < len(in_file))
         if _on_device(map_location):
             # Move this shard's tensors now, so host memory holds at most one shard (max_shard_bytes)
             # at a time instead of the whole state.
@@ -87,17 +87,34 @@ def load_manifest(
                 if t.kind == "torch":
                     objs[t.name] = objs[t.name].to(map_location)
 
-    finished: dict[str, Any] = {}
+    finished: dict[tuple[Any, ...], Any] = {}
 
     def leaf(name: str, node: dict[str, Any]) -> Any:
-        # One object per name, so tensors that were shared when saved are shared again.
-        if name not in finished:
-            if name not in objs:
-                raise CorruptCut(f"manifest tree names arrays it does not record: [{name!r}]", **where)
-            finished[name] = finish_tensor(objs[name], node, map_location)
-        return finished[name]
+        # One object per (array, view, type), so tensors that were shared when saved are shared again,
+        # and a Parameter and a plain tensor over one array keep their own types.
+        if name not in objs:
+            raise CorruptCut(f"manifest tree names arrays it does not record: [{name!r}]", **where)
+        key = (name, node.get("t"), repr(node.get("view")), node.get("param"), node.get("requires_grad"))
+        if key not in finished:
+            obj = objs[name]
+            torch = sys.modules.get("torch")
+            if (_on_device(map_location) and torch is not None and isinstance(obj, torch.Tensor)
+                    and str(obj.device) != str(map_location)):
+                obj = objs[name] = obj.to(map_location)  # once per array: its views share the moved storage
+            finished[key] = finish_tensor(obj, node, map_location)
+        return finished[key]
 
-    return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where)
+    return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where, records=index)
+
+
+def _allocate(t: TensorRecord, where: dict[str, Any]) -> tuple[Any, memoryview]:
+    """The array a record describes, allocated empty. Called only once the shard's size and header
+    have been checked against the manifest, so its size is a checked claim; a dtype this torch or
+    numpy lacks (a cut from a newer one) is a DataError naming the array, never a raw error."""
+    try:
+        return empty_for(t.kind, t.dtype, t.shape, t.nbytes)
+    except (TypeError, AttributeError) as exc:
+        raise CorruptCut(f"array {t.name!r}: cannot allocate {t.kind} dtype {t.dtype!r} here: {exc}", **where) from None
 
 
 def _on_device(map_location: Any) -> bool:

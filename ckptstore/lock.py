@@ -26,6 +26,7 @@ import errno
 import json
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -34,7 +35,7 @@ from typing import Any
 import filelock
 
 from . import layout
-from .errors import StorageError, StoreLocked
+from .errors import StorageError, StoreLocked, UsageError
 from .storage import ConditionFailed, Storage
 from .protocol import now_iso
 
@@ -76,6 +77,7 @@ class WriterLock:
             return
         path = self.storage.local_path(layout.LOCK_FILE)
         assert path is not None
+        _check_lock_file(path, self.storage.url)
         lock = filelock.FileLock(path, timeout=0, is_singleton=False)
         try:
             lock.acquire(timeout=0)
@@ -129,6 +131,23 @@ class WriterLock:
         if self._lease is not None:
             self._lease.release()
             self._lease = None
+
+
+def _check_lock_file(path: str, store: str) -> None:
+    """Refuses a ``.writer.lock`` that is not a regular file: a directory made every writer open fail
+    with a raw ``IsADirectoryError`` (issue 10, item 11), and filelock opens the lock file with
+    ``O_TRUNC``, so a symlink planted there would have it truncate whatever the link points at."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return  # filelock creates it
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, "checking the writer lock", store=store, path=layout.LOCK_FILE) from exc
+    if not stat.S_ISREG(mode):
+        what = "a directory" if stat.S_ISDIR(mode) else "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
+        raise UsageError(f"the writer lock file {layout.LOCK_FILE} is {what}, so no writer can lock this store",
+                         store=store, path=layout.LOCK_FILE,
+                         hint=f"move {path} aside (it is not ckptstore's), then open the store again")
 
 
 class InheritedLock:

@@ -27,6 +27,20 @@ class Mark(StrictModel):
     writer: str
 
 
+class FinalMark(StrictModel):
+    """A record that a committed cut was marked final after its commit (``Store.mark_final``): the run
+    ended at its step, though the cut was written as an ordinary periodic one. The manifest stays as it
+    was committed; readers take ``final`` as the manifest's flag or this mark."""
+
+    KIND = "ckptstore.final"
+
+    kind: Literal["ckptstore.final"] = "ckptstore.final"
+    format_version: Literal[1] = 1
+    cut: CutId
+    step: int = Field(ge=0)
+    marked_at: str
+
+
 class BadCut(StrictModel):
     """A record that a committed cut failed verification on load, so restarts skip it."""
 

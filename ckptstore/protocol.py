@@ -59,7 +59,8 @@ from .latest import Pointer
 from .arrays import ArrayItem
 from .manifest import FileRecord, Manifest, RankRecord, TensorRecord
 from .shards import write_shards
-from .marks import BadCut, Mark
+from .labels import Label, label_path
+from .marks import BadCut, FinalMark, Mark
 from .storage import ConditionFailed, Storage
 
 PhaseHook = Callable[[str, str], None]
@@ -252,7 +253,10 @@ class CommitProtocol:
         self._guard()
         self._storage.delete(layout.manifest_path(cut), durable=True)
         self.phase("prune-uncommitted", cut)
-        return self._remove_files(cut)
+        foreign = self._remove_files(cut)
+        if self._storage.exists(layout.final_path(cut)):
+            self._storage.delete(layout.final_path(cut), durable=False)  # a crash before: gc removes it
+        return foreign
 
     def remove_leftover(self, cut: str) -> list[str]:
         """Removes an uncommitted cut (in progress of a dead writer, abandoned): manifest first, files,
@@ -302,6 +306,27 @@ class CommitProtocol:
         """An empty store's LATEST (repair when no cut is committed)."""
         self._guard()
         self._storage.delete(layout.LATEST_FILE, durable=True)
+
+    def mark_final(self, mark: FinalMark) -> None:
+        """``final/<cut>.json``: a committed cut marked final after its commit (one durable write; the
+        cut's manifest and LATEST stay as they are)."""
+        self._guard()
+        self._storage.write_durably(layout.final_path(mark.cut), mark.to_bytes())
+
+    def remove_final_mark(self, cut: str) -> None:
+        """The final mark of a cut that is gone (a crash between a prune's uncommit and this)."""
+        self._guard()
+        self._storage.delete(layout.final_path(cut), durable=True)
+
+    def write_label(self, label: Label) -> None:
+        """``labels/<digest>.json`` names a committed cut: one durable replace (a label moves atomically)."""
+        self._guard()
+        self._storage.write_durably(label_path(label.label), label.to_bytes())
+
+    def remove_label_file(self, rel: str) -> None:
+        """Deletes one label file, durably (``unlabel``, a removed cut's labels, gc of stale ones)."""
+        self._guard()
+        self._storage.delete(rel, durable=True)
 
     def record_bad(self, bad: BadCut) -> None:
         """``bad/<cut>.json``: a committed cut proven damaged, skipped by later fallbacks."""

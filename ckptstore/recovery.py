@@ -9,16 +9,20 @@ they can never disagree about what a cut is.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from dataclasses import dataclass, field
 
 from . import hashing, layout
-from .errors import CkptStoreError, DataError
+from .errors import CkptStoreError, CorruptCut, DataError, ManifestError, StorageError
 from .storage import Storage
 from .latest import Pointer
 from .manifest import Manifest
-from .marks import BadCut, Mark
+from .info import CutInfo
+from .labels import Label, is_label_file_name, label_path
+from .marks import BadCut, FinalMark, Mark
+from .paths import refuse_symlinked_dirs
 
 
 @dataclass
@@ -34,6 +38,9 @@ class DiskState:
     cut_dirs: set[str] = field(default_factory=set)
     marks: dict[str, Mark | None] = field(default_factory=dict)
     bad: dict[str, BadCut | None] = field(default_factory=dict)
+    final: dict[str, FinalMark | None] = field(default_factory=dict)
+    labels: dict[str, Label] = field(default_factory=dict)  # label -> its record
+    broken_labels: list[str] = field(default_factory=list)  # label files that do not parse (rel paths)
     tmp_files: list[str] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
 
@@ -43,7 +50,9 @@ class Leftover:
     """Something an interrupted save or prune left behind. ``owner_alive`` is None when unknown."""
 
     cut: str | None
-    kind: str  # "in-progress" | "abandoned" | "stale-mark" | "temp-file" | "orphan-mark"
+    # "in-progress" | "abandoned" | "stale-mark" | "temp-file" | "orphan-mark" | "stale-final-mark" | "stale-label"
+    # | "broken-label"
+    kind: str
     paths: list[str]
     owner: str | None = None
     owner_alive: bool | None = None
@@ -59,9 +68,15 @@ class Classification:
     broken: dict[str, DataError]  # cut dirs whose manifest is damaged (not crash leftovers)
     foreign: list[str]
     bad: set[str]
+    final: set[str] = field(default_factory=set)  # committed cuts marked final after their commit
+    labels: dict[str, str] = field(default_factory=dict)  # label -> committed cut it names
 
     def committed_ids(self) -> set[str]:
         return {m.cut for m in self.committed}
+
+    def info(self, m: Manifest) -> CutInfo:
+        """The CutInfo of a committed cut, final when its manifest or a final mark says so."""
+        return CutInfo.from_manifest(m, marked_final=m.cut in self.final)
 
     def find(self, cut: str) -> Manifest | None:
         for m in self.committed:
@@ -79,6 +94,7 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
     """Reads a store root into a :class:`DiskState`. Names are checked before they are used as paths.
     ``cache`` (optional) reuses manifests parsed by an earlier scan whose bytes are unchanged; it is
     updated to hold exactly this scan's manifests."""
+    refuse_symlinked_dirs(storage)  # before anything is listed, read or (by gc, prune, open) deleted
     st = DiskState()
     seen: ManifestCache = {}
     where = {"store": storage.url}
@@ -90,7 +106,11 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
     if storage.exists(layout.LATEST_FILE):
         st.latest_present = True
         try:
-            st.latest = Pointer.from_bytes(storage.read_bytes(layout.LATEST_FILE), path=layout.LATEST_FILE, **where)
+            data = _read_own(storage, layout.LATEST_FILE, where)
+            if data is None:  # removed since the exists() above (a concurrent repair): absent
+                st.latest_present = False
+            else:
+                st.latest = Pointer.from_bytes(data, path=layout.LATEST_FILE, **where)
         except DataError as exc:
             st.latest_error = exc
     for entry in storage.list_dir(layout.CUTS_DIR):
@@ -110,7 +130,9 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
         if layout.MANIFEST_FILE in names:
             mpath = layout.manifest_path(entry.name)
             try:
-                data = storage.read_bytes(mpath)
+                data = _read_own(storage, mpath, {**where, "cut": entry.name})
+                if data is None:
+                    continue  # uncommitted by a concurrent prune since the listing: the cut is going
                 digest = hashing.digest(data)
                 key = (entry.name, digest)
                 m = cache.get(key) if cache is not None else None
@@ -124,7 +146,7 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
                 st.manifest_hashes[entry.name] = digest
             except DataError as exc:
                 st.broken_manifests[entry.name] = exc
-    for sub, target in ((layout.MARKS_DIR, st.marks), (layout.BAD_DIR, st.bad)):
+    for sub, target in ((layout.MARKS_DIR, st.marks), (layout.BAD_DIR, st.bad), (layout.FINAL_DIR, st.final)):
         for entry in storage.list_dir(sub):
             rel = f"{sub}/{entry.name}"
             if layout.is_tmp_name(entry.name) and not entry.is_dir:
@@ -134,15 +156,58 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
             if cut is None or entry.is_dir:
                 st.foreign.append(rel)
                 continue
-            model = Mark if sub == layout.MARKS_DIR else BadCut
+            model = {layout.MARKS_DIR: Mark, layout.BAD_DIR: BadCut, layout.FINAL_DIR: FinalMark}[sub]
             try:
-                target[cut] = model.from_bytes(storage.read_bytes(rel), cut=cut, path=rel, **where)  # type: ignore[attr-defined]
+                data = _read_own(storage, rel, where)
+                if data is None:
+                    continue  # removed since the listing (its cut committed or was collected): no mark
+                target[cut] = model.from_bytes(data, cut=cut, path=rel, **where)  # type: ignore[attr-defined]
             except CkptStoreError:
                 target[cut] = None  # unreadable: still ours by name, so it is handled, not ignored
+    for entry in storage.list_dir(layout.LABELS_DIR):
+        rel = f"{layout.LABELS_DIR}/{entry.name}"
+        if layout.is_tmp_name(entry.name) and not entry.is_dir:
+            st.tmp_files.append(rel)
+            continue
+        if entry.is_dir or not is_label_file_name(entry.name):
+            st.foreign.append(rel)
+            continue
+        try:
+            data = _read_own(storage, rel, where)
+            if data is None:
+                continue  # removed since the listing
+            lab = Label.from_bytes(data, path=rel, **where)
+            if label_path(lab.label) != rel:
+                raise ManifestError(f"label file {rel} holds label {lab.label[:80]!r}, whose file is "
+                                    f"{label_path(lab.label)}", path=rel, **where)
+            st.labels[lab.label] = lab
+        except CkptStoreError:
+            st.broken_labels.append(rel)  # ours by name: reported (and removed by gc), never followed
     if cache is not None:
         cache.clear()
         cache.update(seen)
     return st
+
+
+#: errnos that say "this name is not a regular file" (a directory, a FIFO, a symlink planted where the store
+#: keeps one of its small files): damage of that one file, never a reason for every command to fail.
+_NOT_A_FILE = frozenset({errno.EISDIR, errno.EINVAL, errno.ELOOP, errno.ENOTSUP, errno.EOPNOTSUPP})
+
+
+def _read_own(storage: Storage, rel: str, where: dict[str, str]) -> bytes | None:
+    """The bytes of one of the store's small files (LATEST, a manifest, a mark), None when it vanished
+    since it was listed (a concurrent prune, commit or repair removed it: not damage). A name that is not
+    a regular file raises ``CorruptCut`` for that file only; any other I/O error (EIO, a timeout) is
+    raised as is, so "cannot tell" never reads as "absent" or "damaged"."""
+    try:
+        return storage.read_bytes(rel)
+    except StorageError as exc:
+        if exc.errno == errno.ENOENT:
+            return None
+        if exc.errno in _NOT_A_FILE:
+            raise CorruptCut(f"{rel} is not a regular file (a directory, FIFO or symlink stands in its place)",
+                             path=rel, **where) from exc
+        raise
 
 
 def owner_alive(mark: Mark | None) -> bool | None:
@@ -190,6 +255,14 @@ def classify(st: DiskState) -> Classification:
             leftovers.append(Leftover(cut, "abandoned", paths))
     for rel in st.tmp_files:
         leftovers.append(Leftover(None, "temp-file", [rel]))
+    for lab in sorted(st.labels.values(), key=lambda x: x.label):
+        if lab.cut not in committed_ids:
+            leftovers.append(Leftover(lab.cut, "stale-label", [label_path(lab.label)]))
+    for rel in st.broken_labels:
+        leftovers.append(Leftover(None, "broken-label", [rel]))
+    for cut in sorted(set(st.final) - committed_ids):
+        # A cut id is never reused, so a final mark whose cut is gone can never apply again.
+        leftovers.append(Leftover(cut, "stale-final-mark", [layout.final_path(cut)]))
 
     problem = kind = None
     if st.latest_error is not None:
@@ -214,4 +287,6 @@ def classify(st: DiskState) -> Classification:
         broken=dict(st.broken_manifests),
         foreign=sorted(st.foreign),
         bad=set(st.bad),
+        final={c for c in st.final if c in committed_ids},
+        labels={name: lab.cut for name, lab in st.labels.items() if lab.cut in committed_ids},
     )

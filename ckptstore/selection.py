@@ -88,7 +88,7 @@ def choose_cut(storage: Storage, cls: Classification, *, fallback: bool,
             f = report.errors[0]
             raise DataError(f"LATEST cut fails verification: {f.message}", store=storage.url, cut=m.cut, path=f.path,
                             hint="load(..., fallback=True) resumes from the newest cut that verifies")
-        return CutInfo.from_manifest(m), skipped
+        return cls.info(m), skipped
     latest_step = cls.latest.step if cls.latest else None
     for m in reversed(cls.committed):
         if latest_step is not None and m.step > latest_step and m.cut not in cls.bad:
@@ -105,5 +105,5 @@ def choose_cut(storage: Storage, cls: Classification, *, fallback: bool,
             if on_bad is not None:
                 on_bad(m.cut, skipped[m.cut])
             continue
-        return CutInfo.from_manifest(m), skipped
+        return cls.info(m), skipped
     raise CutNotFound("no committed cut verifies", store=storage.url, hint=f"skipped: {skipped}")

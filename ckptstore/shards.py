@@ -32,6 +32,9 @@ from .manifest import FileRecord, TensorRecord
 
 PIECE = 8 << 20
 READ_BUFFER = 1 << 20
+#: The largest zstd window a reader accepts (libzstd's default limit, stated): the writer's levels use
+#: at most this, and a hostile frame asking for more is refused instead of sizing memory by it.
+MAX_ZSTD_WINDOW = 1 << 27
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,7 @@ class _RawStream:
         except StorageError as exc:
             _check_missing(exc, where)
             raise
+        self._check_size(storage, rel)
         source: BinaryIO = self.file
         if isinstance(self.file, io.FileIO):
             # Many small arrays would each cost a read syscall and its Python call chain (40,000 x 4 KB:
@@ -239,13 +243,37 @@ class _RawStream:
             source = io.BufferedReader(self.file, buffer_size=READ_BUFFER)  # type: ignore[arg-type]
         self.stored = hashing.HashingReader(source, overlap=overlap and record.codec == "none", hashed=hash_stored)
         if record.codec == "zstd":
-            dctx = zstandard.ZstdDecompressor()
+            # Output is pulled in pieces no larger than the caller's buffers (the raw length the
+            # manifest records is the most ever asked for; ``finish`` refuses one byte more), and the
+            # window a frame may demand is capped at the 128 MiB the writer's levels stay within.
+            dctx = zstandard.ZstdDecompressor(max_window_size=MAX_ZSTD_WINDOW)
             self.reader: BinaryIO = dctx.stream_reader(self.stored, read_across_frames=False)  # type: ignore[assignment]
             self.raw = hashing.HashingReader(self.reader, hashed=hash_raw)
         else:
             self.reader = self.stored  # type: ignore[assignment]
             self.raw = self.stored
         self.pos = 0
+
+    def _check_size(self, storage: Storage, rel: str) -> None:
+        """The file's size against the manifest, before a byte is read or a buffer allocated for it: a
+        hostile record claiming a huge array is refused here (issue 10, item 9). The raw length was
+        checked against the stored one when the manifest was parsed (``manifest._check_arrays``)."""
+        try:
+            if isinstance(self.file, io.FileIO):
+                size = os.fstat(self.file.fileno()).st_size
+            else:
+                size = getattr(self.file, "size", None)
+                if type(size) is not int:
+                    size = storage.size(rel)
+        except OSError as exc:
+            self.file.close()
+            if isinstance(exc, StorageError):
+                raise
+            raise StorageError.from_os_error(exc, "sizing shard", **self.where) from exc
+        if size != self.record.nbytes:
+            self.file.close()
+            cls = TruncatedFile if size < self.record.nbytes else CorruptCut
+            raise cls(f"expected {self.record.nbytes} bytes, found {size}", **self.where)
 
     def readinto_exact(self, view: memoryview) -> None:
         done = 0
@@ -409,7 +437,7 @@ def read_shard_into(
     cut: str,
     record: FileRecord,
     tensors: Sequence[TensorRecord],
-    dest: Callable[[TensorRecord], memoryview],
+    dest: Callable[[TensorRecord], memoryview | None],
     *,
     format_version: int,
     verify: bool = True,
@@ -417,11 +445,13 @@ def read_shard_into(
     reuses_buffers: bool = False,
 ) -> None:
     """Streams a whole shard, reading each array's bytes straight into ``dest(record)``; checks the
-    header against the manifest, the file's lengths and (with ``verify``) its digests as the
-    manifest's ``format_version`` defines them, hashed while reading (each byte once: v2 hashes each
-    array and builds the file digest from them; v1 hashes the file plainly). Hashing overlaps the next
-    read on a helper thread unless ``reuses_buffers`` says ``dest`` hands out the same memory twice
-    (then a chunk could change before it is hashed)."""
+    file's size, then the header against the manifest, the file's lengths and (with ``verify``) its
+    digests as the manifest's ``format_version`` defines them, hashed while reading (each byte once:
+    v2 hashes each array and builds the file digest from them; v1 hashes the file plainly). Hashing
+    overlaps the next read on a helper thread unless ``reuses_buffers`` says ``dest`` hands out the
+    same memory twice (then a chunk could change before it is hashed). ``dest`` returning None reads
+    that array through one reused buffer of at most ``PIECE`` bytes (verify: memory stays bounded
+    whatever the arrays' sizes); it needs ``reuses_buffers``."""
     rel = layout.cut_file(cut, record.name)
     where = {"store": storage.url, "cut": cut, "path": rel}
     v2 = format_version >= 2
@@ -439,12 +469,18 @@ def read_shard_into(
         header = decode_header(lambda s, e: head_bytes[s:e], record.raw_nbytes, where=where)
         ordered = sorted(tensors, key=file_order_key)
         check_header_matches(header, ordered, where)
+        scratch: memoryview | None = None
         for t in ordered:
             view = dest(t)
+            if view is None:
+                if not reuses_buffers:
+                    raise ValueError("dest returned no buffer; pass reuses_buffers=True")
+                if scratch is None:
+                    scratch = memoryview(bytearray(min(PIECE, max(x.nbytes for x in ordered))))
             if hashes is not None:
                 hashes.begin(t)
             for start in range(0, t.nbytes, PIECE):
-                piece = view[start : start + PIECE]
+                piece = view[start : start + PIECE] if view is not None else scratch[: min(PIECE, t.nbytes - start)]
                 stream.readinto_exact(piece)
                 if hashes is not None:
                     hashes.update(piece)

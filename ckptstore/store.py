@@ -10,14 +10,16 @@ protocol (:mod:`ckptstore.protocol`); this module composes, it does not touch ma
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from . import hashing, layout
-from .arrays import describe
+from .arrays import describe, resolve_map_location
 from .errors import (
     CorruptCut,
     CutNotFound,
@@ -35,13 +37,14 @@ from .latest import StoreIdentity
 from .loader import load_manifest
 from .lock import WriterLock
 from .manifest import Manifest
-from .marks import BadCut
+from .labels import MAX_LABEL, Label, label_path
+from .marks import BadCut, FinalMark
 from .options import StoreOptions
-from .pending import PendingCut, RankPart
+from .pending import COMMITTED, PendingCut, RankPart
 from .protocol import CommitProtocol, now_iso
 from .ranks import DEFAULT_RANK_TIMEOUT, RankFailure, RankGroup, check_all_ok, check_same, outcome
 from .recovery import Classification, Leftover, ManifestCache, classify, scan
-from .retention import Policy, hard_keeps
+from .retention import PINNED_TAG, Policy, hard_keeps
 from .selection import CutSelector, choose_cut, latest_manifest, raise_io_errors, select_manifest
 from .shards import Codec
 from .storage import Storage, open_storage
@@ -49,22 +52,28 @@ from .tree import flatten, has_pickle
 from .verify import Progress, VerifyReport, verify_store
 
 
+def leftover_json(x: Leftover) -> dict[str, Any]:
+    return {"cut": x.cut, "kind": x.kind, "paths": x.paths, "owner": x.owner, "owner_alive": x.owner_alive}
+
+
 @dataclass
 class GcReport:
+    """What ``gc`` removed (or would remove, with ``dry_run``) and what it left alone.
 
-    """What ``gc`` removed (or would remove, with ``dry_run``) and what it left alone."""
+    ``at_open`` is what this handle's writer open already removed (its recovery), so no removal goes
+    unreported; ``removed`` is what this call removed. Open with ``recover=False`` to have one ``gc``
+    (or a dry run) see everything."""
 
     removed: list[Leftover] = field(default_factory=list)
     kept: list[Leftover] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
     dry_run: bool = False
+    at_open: list[Leftover] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        def lo(x: Leftover) -> dict[str, Any]:
-            return {"cut": x.cut, "kind": x.kind, "paths": x.paths, "owner": x.owner, "owner_alive": x.owner_alive}
-
-        return {"dry_run": self.dry_run, "removed": [lo(x) for x in self.removed],
-                "kept": [lo(x) for x in self.kept], "foreign": self.foreign}
+        return {"dry_run": self.dry_run, "removed": [leftover_json(x) for x in self.removed],
+                "kept": [leftover_json(x) for x in self.kept], "foreign": self.foreign,
+                "removed_at_open": [leftover_json(x) for x in self.at_open]}
 
 
 class Store:
@@ -81,6 +90,12 @@ class Store:
         self._in_flight: dict[str, PendingCut] = {}
         self._manifests: ManifestCache = {}
         self._closed = False
+        #: What recovery removed when this handle opened as the writer (``GcReport.at_open``).
+        self.recovered: list[Leftover] = []
+        #: ``Store.open(..., recover=False)``: recovery waits for the first change (save, prune, gc).
+        self._recovery_pending = False
+        #: Cuts this handle committed: hashed as they were written, so ``prune`` takes them as verified.
+        self._written: set[str] = set()
         #: The ranks this handle takes cuts with (``Store.open(..., group=)``), None for one process.
         self.ranks: RankGroup | None = None
         #: True on ranks other than 0 of a group: they write their part of each cut; rank 0 holds the
@@ -98,13 +113,19 @@ class Store:
         options: StoreOptions | None = None,
         group: Any = None,
         rank_timeout: float | None = None,
+        recover: bool = True,
     ) -> "Store":
         """Opens the store at ``url`` (a path, an fsspec URL, or a :class:`~ckptstore.storage.Storage`).
 
         As a writer (default) it takes the writer lock (``StoreLocked`` if another writer has it) and
-        recovers: leftovers of interrupted saves and prunes are removed, a stale mark beside a committed
-        cut is cleared. A store whose LATEST is missing or broken while committed cuts exist is not
-        reset: opening it raises ``LatestError`` that says to run ``ckptstore repair``.
+        recovers: leftovers of interrupted saves and prunes are removed (listed in ``recovered`` and
+        in every ``GcReport.at_open``), a stale mark beside a committed cut is cleared. A store whose
+        LATEST is missing or broken while committed cuts exist is not reset: opening it raises
+        ``LatestError`` that says to run ``ckptstore repair``.
+
+        ``recover=False`` (writers) changes nothing at open: recovery waits for the first change
+        (``save``, ``begin_cut``, ``prune`` or ``gc`` without ``dry_run``), so a dry run on such a
+        handle deletes nothing and ``gc(dry_run=True)`` lists what recovery would remove.
 
         ``group`` (a torch.distributed process group) makes the handle one of several ranks taking
         cuts together: the open is collective over the group (every rank passes the same ``url``),
@@ -113,13 +134,17 @@ class Store:
         that shows no sign of life (:mod:`ckptstore.ranks`). ``group=None`` is one process, also when
         torch.distributed is initialized.
         """
+        if group is not None and not recover:
+            raise UsageError("recover=False is for one process; a group's open always recovers", store=str(url))
         if group is not None:
             return cls._open_group(url, group=group, rank_timeout=rank_timeout, create=create, readonly=readonly,
                                    options=options)
         if rank_timeout is not None:
             raise UsageError("rank_timeout goes with group=", store=str(url))
         store = cls._open(url, create=create, readonly=readonly, options=options)
-        if not readonly:
+        if not readonly and not recover:
+            store._recovery_pending = True
+        elif not readonly:
             try:
                 store._recover()
             except BaseException:
@@ -204,10 +229,18 @@ class Store:
         if not readonly:
             try:
                 store._lock.acquire()
+                store._own_dirs(layout.CUTS_DIR, layout.MARKS_DIR, layout.BAD_DIR)
             except BaseException:
                 store.close()
                 raise
         return store
+
+    def _own_dirs(self, *dirs: str) -> None:
+        """Recreates the store's own directories that someone deleted (an operator "cleaning up"
+        ``marks/``): they hold nothing but the store's bookkeeping, and without ``marks/`` every save
+        fails (issue 10, item 11). An existing one costs one failed mkdir."""
+        for d in dirs:
+            self.storage.make_dir(d)
 
     @staticmethod
     def _create(storage: Storage) -> None:
@@ -222,9 +255,18 @@ class Store:
         storage.write_durably(layout.STORE_FILE, StoreIdentity(created_at=now_iso()).to_bytes())
 
     def _recover(self) -> None:
-        report = self.gc()
+        report = self._collect(dry_run=False)
+        self._recovery_pending = False
+        self.recovered = list(report.removed)
         for lo in report.removed:
             self.events.emit("recovered", cut=lo.cut, kind=lo.kind, paths=lo.paths)
+
+    def _ensure_recovered(self) -> None:
+        """Runs the recovery a ``recover=False`` open put off, before the first change: a stale mark
+        left beside the LATEST cut must be cleared before LATEST moves on, or that cut would read as
+        in progress."""
+        if self._recovery_pending:
+            self._recover()
 
     def close(self) -> None:
         """Releases the writer lock. Idempotent. Not collective: each rank closes its own handle."""
@@ -268,12 +310,14 @@ class Store:
 
     def cuts(self) -> list[CutInfo]:
         """Committed cuts, ascending by step."""
-        return [CutInfo.from_manifest(m) for m in self.classify().committed]
+        cls = self.classify()
+        return [cls.info(m) for m in cls.committed]
 
     def latest(self) -> CutInfo | None:
         """The committed cut LATEST points at, or None for an empty store."""
-        m = latest_manifest(self.classify(), self.url)
-        return None if m is None else CutInfo.from_manifest(m)
+        cls = self.classify()
+        m = latest_manifest(cls, self.url)
+        return None if m is None else cls.info(m)
 
     def manifest(self, cut: CutSelector = "latest") -> Manifest:
         """The manifest of a committed cut: "latest", a cut id, or an int step."""
@@ -301,6 +345,7 @@ class Store:
         if m.pickled and not allow_pickle:
             raise HostileInput("cut holds pickled values; pass allow_pickle=True only if you trust it",
                                store=self.url, cut=m.cut)
+        map_location = resolve_map_location(map_location, {"store": self.url, "cut": m.cut})
         return load_manifest(self.storage, m, map_location=map_location, verify=verify, keys=keys,
                              allow_pickle=allow_pickle)
 
@@ -333,6 +378,7 @@ class Store:
         old step would silently roll LATEST back). ``cut`` fixes the id (default: a fresh one).
         ``world_size`` > 1: a cut of that many ranks, committed from their records (``collect_ranks``)."""
         self._require_writer("begin_cut")
+        self._ensure_recovered()
         self._check_step(step)
         if cut is None:
             cut = layout.new_cut_id(step)
@@ -341,6 +387,7 @@ class Store:
         pending = PendingCut(self._protocol, self.storage, cut, step, writer, on_end=self._ended, world_size=world_size)
         self._in_flight[cut] = pending
         try:
+            self._own_dirs(layout.MARKS_DIR)
             self._protocol.mark(cut, step, writer)
         except BaseException:
             self._protocol.abandon(cut)
@@ -350,6 +397,8 @@ class Store:
 
     def _ended(self, pending: PendingCut) -> None:
         self._in_flight.pop(pending.id, None)
+        if pending.state == COMMITTED:
+            self._written.add(pending.id)
 
     def lock_handoff(self) -> tuple[dict[str, Any], int | None]:
         """The writer lock as a helper process inherits it (``ckptstore.lock.InheritedLock``): a
@@ -532,32 +581,183 @@ class Store:
                 cut=latest.cut, hint="steps must increase; resume from LATEST and continue from its step",
             )
 
-    def prune(self, policy: Policy, *, dry_run: bool = False) -> list[CutInfo]:
-        """Removes committed cuts that ``policy`` does not keep; returns them.
+    def prune(self, policy: Policy, *, dry_run: bool = False, verify_kept: bool = True,
+              progress: Progress | None = None) -> list[CutInfo]:
+        """Removes committed cuts that ``policy`` does not keep; returns them (with ``dry_run``: the
+        ones it would remove, removing nothing).
 
         Never removed whatever the policy says: the LATEST target, a cut newer than the newest kept one,
         a cut tagged "keep". Cuts recorded bad are neither counted as kept nor removed here (``gc``
         reports them). Each removal uncommits first (manifest deleted durably), then deletes files.
+
+        ``verify_kept`` (default): before removing anything, the newest kept cut is verified (every
+        byte re-hashed; a cut this handle committed itself was hashed as it was written and is taken as
+        verified, so a trainer's prune after each save costs no reads). If it does not verify, the
+        newest cut that does is kept too, so a prune never takes a store that had a verifying cut to
+        none (issue 10, item 5); when no cut verifies, nothing is removed and ``CorruptCut`` is raised.
+        An I/O error while verifying raises and removes nothing. ``verify_kept=False`` skips this.
         """
         self._require_writer("prune")
+        if not dry_run:
+            self._ensure_recovered()
         cls = self.classify()
         latest = latest_manifest(cls, self.url)
-        good = [CutInfo.from_manifest(m) for m in cls.committed if m.cut not in cls.bad]
+        good = [cls.info(m) for m in cls.committed if m.cut not in cls.bad]
         keep = policy.keep(good)
         hard = hard_keeps(good, keep, latest.cut if latest else None)
         doomed = [c for c in good if c.id not in keep and c.id not in hard and c.id not in self._in_flight]
+        if doomed and verify_kept:
+            spared = self._verifying_cut_to_spare(cls, good, {c.id for c in doomed}, progress)
+            if spared is not None:
+                doomed = [c for c in doomed if c.id != spared]
         for c in doomed:
             if not dry_run:
                 self._protocol.uncommit(c.id)
+                self._written.discard(c.id)
             self.events.emit("pruned", cut=c.id, step=c.step, dry_run=dry_run)
+        if not dry_run:
+            self._drop_labels(cls, {c.id for c in doomed})
         return doomed
+
+    def remove(self, cut: CutSelector, *, dry_run: bool = False, verify_kept: bool = True,
+               progress: Progress | None = None) -> CutInfo:
+        """Removes one committed cut ("latest" is refused; a cut id or an int step) under prune's rules,
+        and returns what it removed (with ``dry_run``: would remove, removing nothing).
+
+        Refused with ``UsageError`` naming the cut: LATEST's target (a resume needs it; commit a newer
+        cut or point LATEST elsewhere first), a cut tagged "keep", a cut this handle is still writing.
+        With ``verify_kept`` (default) a store never goes from having a verifying cut to having none:
+        when the cut to remove is the newest that verifies while LATEST's does not, it is refused
+        (``CorruptCut``). Like a prune it uncommits first (manifest deleted durably), then deletes the
+        files; a crash midway leaves what ``gc`` removes."""
+        self._require_writer("remove")
+        if isinstance(cut, str) and cut == "latest":
+            raise UsageError("remove takes a cut id or a step, not \"latest\": LATEST's cut is never removed",
+                             store=self.url)
+        if not dry_run:
+            self._ensure_recovered()
+        cls = self.classify()
+        m = select_manifest(cls, cut, self.url)
+        info = cls.info(m)
+        latest = latest_manifest(cls, self.url)
+        refusal = None
+        if latest is not None and latest.cut == m.cut:
+            refusal = "it is LATEST's target (commit a newer cut first)"
+        elif PINNED_TAG in m.tags:
+            refusal = f"it is tagged {PINNED_TAG!r}"
+        elif m.cut in self._in_flight:
+            refusal = "this handle is still writing it"
+        if refusal is not None:
+            raise UsageError(f"cut {m.cut} (step {m.step}) is not removed: {refusal}", store=self.url, cut=m.cut)
+        if verify_kept and m.cut not in cls.bad:
+            good = [cls.info(x) for x in cls.committed if x.cut not in cls.bad]
+            if self._verifying_cut_to_spare(cls, good, {m.cut}, progress) == m.cut:
+                raise CorruptCut(f"cut {m.cut} (step {m.step}) is not removed: it is the newest cut that verifies "
+                                 "and LATEST's does not", store=self.url, cut=m.cut,
+                                 hint="run `ckptstore repair` to point LATEST at it; `--no-verify` skips this check")
+        if not dry_run:
+            self._protocol.uncommit(m.cut)
+            self._written.discard(m.cut)
+            self._drop_labels(cls, {m.cut})
+        self.events.emit("removed", cut=m.cut, step=m.step, dry_run=dry_run)
+        return info
+
+    def _drop_labels(self, cls: Classification, cuts: set[str]) -> None:
+        """After ``cuts`` were uncommitted: their labels go too (a crash before leaves stale labels, gc)."""
+        for name, cut in cls.labels.items():
+            if cut in cuts:
+                self._protocol.remove_label_file(label_path(name))
+
+    # labels ---------------------------------------------------------------------------------------
+    def label(self, name: str, cut: CutSelector = "latest") -> CutInfo:
+        """Names a committed cut ``name`` (any text up to 1024 characters), replacing what the label
+        named before: one durable write of ``labels/<digest>.json`` (``ckptstore.labels``). Returns the
+        cut's CutInfo. Frameworks that name checkpoints by path map their paths onto cuts this way."""
+        self._require_writer("label")
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_LABEL:
+            raise UsageError(f"a label is a str of 1 to {MAX_LABEL} characters, got {name!r:.80}", store=self.url)
+        cls = self.classify()
+        m = select_manifest(cls, cut, self.url)
+        if cls.labels.get(name) != m.cut:
+            self._own_dirs(layout.LABELS_DIR)
+            self._protocol.write_label(Label(label=name, cut=m.cut, step=m.step, labeled_at=now_iso()))
+            self.events.emit("labeled", cut=m.cut, step=m.step, label=name)
+        return cls.info(m)
+
+    def unlabel(self, name: str) -> str | None:
+        """Removes a label; returns the cut it named, or None when no such label exists. The cut stays."""
+        self._require_writer("unlabel")
+        cut = self.classify().labels.get(name)
+        if cut is not None:
+            self._protocol.remove_label_file(label_path(name))
+            self.events.emit("unlabeled", cut=cut, label=name)
+        return cut
+
+    def labels(self) -> dict[str, str]:
+        """Every label and the committed cut it names (labels of cuts that are gone are left out)."""
+        return dict(self.classify().labels)
+
+    def mark_final(self, cut: CutSelector = "latest") -> CutInfo:
+        """Marks a committed cut final without writing it again (default: LATEST's), so ``resume-info``
+        reports the step where the run really ended and ``KeepFinal`` keeps it: for a run whose last
+        periodic cut already holds its final state. One durable write of ``final/<cut>.json``; the
+        manifest and LATEST are untouched. Idempotent; returns the cut's CutInfo (final)."""
+        self._require_writer("mark_final")
+        cls = self.classify()
+        m = select_manifest(cls, cut, self.url)
+        if not (m.final or m.cut in cls.final):
+            self._own_dirs(layout.FINAL_DIR)
+            self._protocol.mark_final(FinalMark(cut=m.cut, step=m.step, marked_at=now_iso()))
+            self.events.emit("marked-final", cut=m.cut, step=m.step)
+        return CutInfo.from_manifest(m, marked_final=True)
+
+    def _verifying_cut_to_spare(self, cls: Classification, good: list[CutInfo], doomed: set[str],
+                                progress: Progress | None) -> str | None:
+        """The doomed cut ``prune`` must keep so that a verifying cut survives it, or None when a kept
+        cut verifies; ``CorruptCut`` when no cut verifies. Checks the newest kept cut first, then the
+        others newest first, and stops at the first that verifies: a healthy store costs one cut."""
+        order = sorted(good, key=lambda c: c.step, reverse=True)
+        newest_kept = next((c for c in order if c.id not in doomed), None)
+        if newest_kept is not None:
+            order.remove(newest_kept)
+            order.insert(0, newest_kept)
+        failed: dict[str, str] = {}  # cut -> its first error
+        for c in order:
+            if c.id not in self._written:
+                report = verify_store(self.storage, cls, cut=c.id, progress=progress)
+                raise_io_errors(report)  # could not read: proves nothing, so remove nothing
+                if not report.ok:
+                    failed[c.id] = report.errors[0].message
+                    continue
+            if c.id not in doomed:
+                return None
+            reason = f"no kept cut verifies ({'; '.join(list(failed.values())[:2]) or 'none is kept'})"
+            self.events.emit("prune-spared", cut=c.id, step=c.step, reason=reason)
+            log.warning("ckptstore: prune of %s keeps %s, the newest cut that verifies: %s", self.url, c.id, reason)
+            return c.id
+        raise CorruptCut(f"no committed cut verifies ({'; '.join(list(failed.values())[:2])}); prune removed "
+                         "nothing", store=self.url, cut=next(iter(failed), None),
+                         hint="run `ckptstore verify` to see the damage; `prune --no-verify` (verify_kept=False) "
+                              "removes cuts without this check")
 
     def gc(self, *, dry_run: bool = False) -> GcReport:
         """Removes what interrupted saves and prunes left behind; reports foreign files and never
         deletes them. Needs the writer lock, so every marked cut not in flight in this process
         belongs to a dead writer. Refuses while LATEST is broken: which marked cut it names (and so
-        which is committed) cannot be told then."""
+        which is committed) cannot be told then.
+
+        Every removal is reported: ``removed`` (what this call removed, or with ``dry_run`` would
+        remove) and ``at_open`` (what this handle's writer open removed before). ``dry_run`` changes
+        nothing; on a handle opened with ``recover=False`` it lists all that recovery would remove."""
         self._require_writer("gc")
+        report = self._collect(dry_run=dry_run)
+        report.at_open = list(self.recovered)
+        if not dry_run:
+            self._recovery_pending = False
+        return report
+
+    def _collect(self, *, dry_run: bool) -> GcReport:
+        """``gc``'s work (recovery runs it at open): classify, then remove (or list) each leftover."""
         cls = self.classify()
         if cls.latest_problem is not None:
             raise LatestError(cls.latest_problem, store=self.url, path=layout.LATEST_FILE,
@@ -577,6 +777,10 @@ class Store:
                 self._protocol.unmark(lo.cut)  # type: ignore[arg-type]
             elif lo.kind == "temp-file":
                 self._protocol.remove_temp(lo.paths[0])
+            elif lo.kind == "stale-final-mark":
+                self._protocol.remove_final_mark(lo.cut)  # type: ignore[arg-type]
+            elif lo.kind in ("stale-label", "broken-label"):
+                self._protocol.remove_label_file(lo.paths[0])
             else:
                 report.foreign.extend(self._protocol.remove_leftover(lo.cut))  # type: ignore[arg-type]
         if not dry_run and report.removed:
@@ -593,13 +797,15 @@ class Store:
             report = verify_store(self.storage, cls, cut=m.cut, progress=progress)
             raise_io_errors(report)
             if report.ok or all(f.kind.startswith("latest-") for f in report.errors):
-                info = self.point_latest(m.cut)
+                with _latest_must_be_a_file(self.url):
+                    info = self.point_latest(m.cut)
                 self.events.emit("repaired", cut=m.cut, step=m.step)
                 return info
         if cls.committed:
             raise CorruptCut("no committed cut verifies; LATEST left as it was", store=self.url,
                              hint="run `ckptstore verify` to see what is damaged")
-        self._protocol.remove_latest()
+        with _latest_must_be_a_file(self.url):
+            self._protocol.remove_latest()
         return None
 
     def point_latest(self, cut: str) -> CutInfo:
@@ -613,7 +819,7 @@ class Store:
             self._protocol.unmark(m.cut)
         except StorageError:
             pass  # LATEST names it: a stale mark cannot demote it (protocol Rule M)
-        return CutInfo.from_manifest(m)
+        return self.classify().info(m)
 
     def record_bad(self, cut: str, reason: str) -> None:
         """Records that a committed cut is proven damaged, so restarts skip it (no retry loop).
@@ -630,6 +836,20 @@ class Store:
             if not self.readonly:
                 raise
             log.warning("ckptstore: could not record bad cut %s of %s: %s", cut, self.url, exc)
+
+
+@contextmanager
+def _latest_must_be_a_file(url: str) -> Iterator[None]:
+    """Turns the file system's refusal to read, replace or delete a LATEST that is a directory or a
+    FIFO into a ``LatestError`` that says what to do: repair never deletes what may be someone's data."""
+    try:
+        yield
+    except StorageError as exc:
+        if exc.path != layout.LATEST_FILE or exc.errno not in (errno.EISDIR, errno.EINVAL, errno.ENOTEMPTY):
+            raise
+        raise LatestError("LATEST is not a regular file (a directory or FIFO stands in its place); repair does not "
+                          "remove it", store=url, path=layout.LATEST_FILE,
+                          hint="move it aside, then run `ckptstore repair` again") from exc
 
 
 def rank_manifest(m: Manifest, rank: int | None, url: str) -> Manifest:

@@ -24,11 +24,13 @@ import collections
 import math
 import pickle
 import re
+import struct
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from .errors import CorruptCut, HostileInput, UnsupportedValue
+from .errors import CkptStoreError, CorruptCut, HostileInput, UnsupportedValue
+from .format import TORCH_DTYPE_NAMES, check_device, numpy_itemsize
 
 MAX_DEPTH = 200
 MAX_NAME = 4000  # array names (key paths) stay below the manifest's 4096-character bound
@@ -69,17 +71,25 @@ def _int_node(v: int) -> dict[str, Any]:
 
 
 def _special(v: float) -> str:
-    import struct
-
     return "bits:" + struct.pack("<d", v).hex()
 
 
-def _float_value(s: str) -> float:
-    if s.startswith("bits:"):
-        import struct
+_FLOAT_BITS = re.compile(r"bits:[0-9a-f]{16}")
 
+
+def _float_value(s: Any) -> float:
+    """The float a node stores: ``float.hex`` text, or ``bits:`` and the 16 hex digits of its 8 bytes.
+    ValueError for anything else (an int, odd bits, an exponent that overflows)."""
+    if type(s) is not str:
+        raise ValueError(f"a float is stored as text, not a {type(s).__name__}")
+    if s.startswith("bits:"):
+        if not _FLOAT_BITS.fullmatch(s):
+            raise ValueError(f"float bits {s[:40]!r} are not 16 hex digits")
         return struct.unpack("<d", bytes.fromhex(s[5:]))[0]
-    return float.fromhex(s)
+    try:
+        return float.fromhex(s)
+    except OverflowError:
+        raise ValueError(f"float {s[:40]!r} overflows") from None
 
 
 class _Flattener:
@@ -88,6 +98,11 @@ class _Flattener:
         self.leaves: list[Leaf] = []
         self.names: set[str] = set()
         self.by_identity: dict[tuple[Any, ...], str] = {}
+        # (storage data_ptr, device type) -> the first torch leaf over that storage; a second distinct view
+        # of it starts a group in ``shared`` (see share_storages). One dict lookup a tensor: the common
+        # state of distinct tensors pays nothing more.
+        self.by_storage: dict[tuple[int, str], Leaf] = {}
+        self.shared: dict[tuple[int, str], list[Leaf]] = {}
         self.torch = sys.modules.get("torch")
         self.np = sys.modules.get("numpy")
         # DTensor only if the caller loaded torch.distributed.tensor (a state cannot hold one otherwise).
@@ -185,13 +200,20 @@ class _Flattener:
         if isinstance(t, torch.nn.Parameter):
             node["param"] = True
             node["requires_grad"] = bool(t.requires_grad)
+        elif t.requires_grad:
+            node["requires_grad"] = True  # a plain tensor's flag (issue 10, item 14); absent means False
         if key is not None and key in self.by_identity:
             node["name"] = self.by_identity[key]
             return node
         name = self._name(path)
+        leaf = Leaf(name, "torch", t)
         if key is not None:
             self.by_identity[key] = name
-        self.leaves.append(Leaf(name, "torch", t))
+            skey = (key[0], key[5])
+            first = self.by_storage.setdefault(skey, leaf)
+            if first is not leaf:
+                self.shared.setdefault(skey, [first]).append(leaf)
+        self.leaves.append(leaf)
         node["name"] = name
         return node
 
@@ -322,101 +344,252 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict[str, Any], 
         # DTensor.to_local without an autograd node: ~5 us a DTensor instead of ~18. One context for
         # the whole walk (entering it per DTensor cost as much as it saved).
         with f.torch.no_grad():  # type: ignore[union-attr]
-            return f.node(state, ()), f.leaves
-    return f.node(state, ()), f.leaves
+            tree = f.node(state, ())
+    else:
+        tree = f.node(state, ())
+    if f.shared:
+        share_storages(tree, f.leaves, f.shared)
+    return tree, f.leaves
+
+
+def _byte_span(t: Any) -> tuple[int, int]:
+    """[first, last + 1) bytes of its storage that a non-empty strided tensor reaches."""
+    es = t.element_size()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.storage_offset() * es, (t.storage_offset() + last + 1) * es
+
+
+def share_storages(tree: dict[str, Any], leaves: list[Leaf], shared: dict[tuple[int, str], list[Leaf]]) -> None:
+    """Views whose bytes overlap in one storage (``w`` and ``w[1:]``, ``w`` and ``w.t()``) become one
+    array, the span of the storage they reach, and each of their tensor nodes gains a ``view``
+    (``offset``, ``shape``, ``stride`` in elements of that array), so a load gives them one storage
+    again, as torch.save does (issue 10, item 14). Views of different dtypes, or with the conj/neg bit,
+    stay separate arrays (their values round-trip; their aliasing does not). Rewrites ``leaves`` and
+    ``tree`` in place; runs only when some storage holds two distinct views."""
+    merged: dict[str, tuple[str, dict[str, Any]]] = {}  # leaf name -> (array name, its view)
+    dropped: set[str] = set()
+    replace: dict[str, Leaf] = {}
+    for group in shared.values():
+        if len({lf.obj.dtype for lf in group}) != 1 or any(lf.obj.is_conj() or lf.obj.is_neg() for lf in group):
+            continue
+        spans = sorted((_byte_span(lf.obj), i) for i, lf in enumerate(group))
+        components: list[list[int]] = []
+        end = -1
+        for (lo, hi), i in spans:
+            if lo < end:
+                components[-1].append(i)
+            else:
+                components.append([i])
+            end = max(end, hi) if lo < end else hi
+        for comp in components:
+            if len(comp) > 1:
+                _merge([group[i] for i in sorted(comp)], merged, dropped, replace)
+    if not merged:
+        return
+    leaves[:] = [replace.get(lf.name, lf) for lf in leaves if lf.name not in dropped]
+    stack: list[Any] = [tree]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        t = node.get("t")
+        if t == "tensor" and node.get("name") in merged:
+            node["name"], view = merged[node["name"]]
+            if view:
+                node["view"] = view
+        elif t == "dict":
+            stack.extend(item["v"] for item in node["items"])
+        elif t in ("list", "tuple"):
+            stack.extend(node["items"])
+
+
+def _merge(members: list[Leaf], merged: dict[str, tuple[str, dict[str, Any]]], dropped: set[str],
+           replace: dict[str, Leaf]) -> None:
+    """One array for ``members`` (views of one dtype whose spans overlap), named as the first of them
+    in state order; records each member's view of it."""
+    first = members[0]
+    es = first.obj.element_size()
+    spans = [_byte_span(lf.obj) for lf in members]
+    lo, hi = min(s[0] for s in spans) // es, max(s[1] for s in spans) // es
+    base = first.obj.detach().as_strided((hi - lo,), (1,), lo)
+    replace[first.name] = Leaf(first.name, "torch", base)
+    for lf in members:
+        t = lf.obj
+        view = {"offset": t.storage_offset() - lo, "shape": list(t.shape), "stride": list(t.stride())}
+        whole = view["offset"] == 0 and view["shape"] == [hi - lo] and view["stride"] == [1]
+        merged[lf.name] = (first.name, {} if whole else view)
+        if lf is not first:
+            dropped.add(lf.name)
+
+
+#: What decoding a malformed node raises (torch's parsers raise RuntimeError, struct.error and
+#: OverflowError come from floats); the builder reports each as CorruptCut naming the node, so a load
+#: falls back from the cut instead of crashing (issue 10, item 8).
+_DECODE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RuntimeError,
+                  struct.error)
+_HEX_INT = re.compile(r"-?0x[0-9a-f]+")
+_LEAF_KINDS = {"tensor": "torch", "dtensor": "torch", "ndarray": "numpy"}
+_INT64 = (-(2**63), 2**63)
 
 
 class _Builder:
-    def __init__(self, leaf: Callable[[str, dict[str, Any]], Any], allow_pickle: bool, where: dict[str, Any]):
+    """The one decoder of a tree, used by loads and by ``verify`` alike so the two cannot drift: every
+    node is checked exactly as a load needs it. With ``materialize`` False (``check_tree``) the same
+    checks run without torch or numpy and nothing is built for arrays, torch values or pickles.
+    ``records`` (array name -> its manifest record) lets each leaf be checked against the array it names."""
+
+    def __init__(self, leaf: Callable[[str, dict[str, Any]], Any], allow_pickle: bool, where: dict[str, Any],
+                 *, records: Mapping[str, Any] | None = None, materialize: bool = True):
         self.leaf = leaf
         self.allow_pickle = allow_pickle
         self.where = where
+        self.records = records
+        self.materialize = materialize
 
     def bad(self, msg: str) -> CorruptCut:
         return CorruptCut(f"manifest tree: {msg}", **self.where)
 
     def build(self, node: Any, depth: int = 0) -> Any:
-        if depth > MAX_DEPTH or not isinstance(node, dict):
+        if depth > MAX_DEPTH or type(node) is not dict:
             raise self.bad(f"node is not an object or is nested deeper than {MAX_DEPTH}")
         t = node.get("t")
         try:
-            if t == "none":
-                return None
-            if t == "bool":
-                return self._typed(node["v"], bool)
-            if t == "int":
-                if "hex" in node:
-                    return int(self._typed(node["hex"], str), 16)
-                return self._typed(node["v"], int)
-            if t == "float":
-                return _float_value(self._typed(node["v"], str))
-            if t == "complex":
-                return complex(_float_value(node["re"]), _float_value(node["im"]))
-            if t == "str":
-                return self._typed(node["v"], str)
-            if t == "bytes":
-                raw = base64.b64decode(self._typed(node["v"], str), validate=True)
-                return bytearray(raw) if node.get("mutable") else raw
-            if t == "dict":
-                out: dict[Any, Any] = collections.OrderedDict() if node.get("ordered") else {}
-                for item in node["items"]:
-                    key = item["k"] if "k" in item else self._typed(item["ik"], int)
-                    out[key] = self.build(item["v"], depth + 1)
-                return out
-            if t in ("list", "tuple"):
-                items = [self.build(v, depth + 1) for v in node["items"]]
-                return items if t == "list" else tuple(items)
-            if t in ("tensor", "ndarray"):
-                return self.leaf(self._typed(node["name"], str), node)
-            if t == "dtensor":
-                return self._dtensor(node)
-            if t == "npscalar":
-                import numpy as np
-
-                dtype = np.dtype(self._typed(node["dtype"], str))
-                if dtype.hasobject:
-                    raise HostileInput("npscalar with an object dtype", **self.where)
-                return np.frombuffer(base64.b64decode(node["v"], validate=True), dtype=dtype)[0]
-            if t == "size":
-                import torch
-
-                return torch.Size(node["v"])
-            if t == "dtype":
-                import torch
-
-                dt = getattr(torch, self._typed(node["v"], str), None)
-                if not isinstance(dt, torch.dtype):
-                    raise self.bad(f"unknown torch dtype {node['v']!r}")
-                return dt
-            if t == "device":
-                import torch
-
-                return torch.device(self._typed(node["v"], str))
-            if t == "pickle":
-                if not self.allow_pickle:
-                    raise HostileInput(
-                        "cut holds a pickled value; refusing to unpickle it (pass allow_pickle=True only "
-                        "for cuts you trust)",
-                        **self.where,
-                    )
-                return pickle.loads(base64.b64decode(node["v"], validate=True))
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, (CorruptCut, HostileInput)):
-                raise
+            return self._decode(t, node, depth)
+        except (CkptStoreError, RecursionError):
+            raise
+        except _DECODE_ERRORS as exc:
             raise self.bad(f"malformed {t!r} node: {exc}") from None
-        raise self.bad(f"unknown node kind {t!r}")
+
+    def _decode(self, t: Any, node: dict[str, Any], depth: int) -> Any:
+        if t == "none":
+            return None
+        if t == "bool":
+            return self._typed(node["v"], bool)
+        if t == "int":
+            if "hex" in node:
+                text = self._typed(node["hex"], str)
+                if not _HEX_INT.fullmatch(text):
+                    raise ValueError(f"{text[:40]!r} is not a hex int")
+                return int(text, 16)
+            return self._typed(node["v"], int)
+        if t == "float":
+            return _float_value(node["v"])
+        if t == "complex":
+            return complex(_float_value(node["re"]), _float_value(node["im"]))
+        if t == "str":
+            return self._typed(node["v"], str)
+        if t == "bytes":
+            raw = base64.b64decode(self._typed(node["v"], str), validate=True)
+            return bytearray(raw) if self._flag(node, "mutable") else raw
+        if t == "dict":
+            out: dict[Any, Any] = collections.OrderedDict() if self._flag(node, "ordered") else {}
+            for item in self._typed(node["items"], list):
+                self._typed(item, dict)
+                key = self._typed(item["k"], str) if "k" in item else self._typed(item["ik"], int)
+                out[key] = self.build(item["v"], depth + 1)
+            return out
+        if t in ("list", "tuple"):
+            items = [self.build(v, depth + 1) for v in self._typed(node["items"], list)]
+            return items if t == "list" else tuple(items)
+        if t in ("tensor", "ndarray"):
+            name = self._typed(node["name"], str)
+            for key in ("param", "requires_grad"):
+                if key in node:
+                    self._typed(node[key], bool)
+            rec = self._record(t, name)
+            if "view" in node:
+                if t != "tensor":
+                    raise self.bad(f"an {t!r} node has a view")
+                if rec is not None:
+                    try:
+                        check_view(node["view"], math.prod(rec.shape))
+                    except ValueError as exc:
+                        raise self.bad(f"tensor {name[:200]!r}: {exc}") from None
+            return self.leaf(name, node) if self.materialize else None
+        if t == "dtensor":
+            return self._dtensor(node)
+        if t == "npscalar":
+            dtype = self._typed(node["dtype"], str)
+            itemsize = numpy_itemsize(dtype)  # the dtypes np.dtype accepts, checked without numpy
+            raw = base64.b64decode(self._typed(node["v"], str), validate=True)
+            if len(raw) != itemsize:
+                raise ValueError(f"{len(raw)} bytes for a {dtype} scalar")
+            if not self.materialize:
+                return None
+            import numpy as np
+
+            return np.frombuffer(raw, dtype=np.dtype(dtype))[0]
+        if t == "size":
+            dims = self._typed(node["v"], list)
+            if any(type(n) is not int or not _INT64[0] <= n < _INT64[1] for n in dims):
+                raise ValueError("a size is a list of int64 values")
+            if not self.materialize:
+                return None
+            import torch
+
+            return torch.Size(dims)
+        if t == "dtype":
+            name = self._typed(node["v"], str)
+            if name not in TORCH_DTYPE_NAMES:
+                raise self.bad(f"unknown torch dtype {name[:40]!r}")
+            if not self.materialize:
+                return None
+            import torch
+
+            dt = getattr(torch, name, None)
+            if not isinstance(dt, torch.dtype):
+                raise self.bad(f"torch {torch.__version__} has no dtype {name!r}")
+            return dt
+        if t == "device":
+            spec = self._typed(node["v"], str)
+            check_device(spec)  # what torch.device parses, checked without torch
+            if not self.materialize:
+                return None
+            import torch
+
+            return torch.device(spec)
+        if t == "pickle":
+            if not self.allow_pickle:
+                raise HostileInput(
+                    "cut holds a pickled value; refusing to unpickle it (pass allow_pickle=True only "
+                    "for cuts you trust)",
+                    **self.where,
+                )
+            raw = base64.b64decode(self._typed(node["v"], str), validate=True)
+            return pickle.loads(raw) if self.materialize else None
+        raise self.bad(f"unknown node kind {str(t)[:40]!r}")
 
     def _typed(self, v: Any, typ: type) -> Any:
         if type(v) is not typ:
             raise self.bad(f"expected {typ.__name__}, found {type(v).__name__}")
         return v
 
+    def _flag(self, node: dict[str, Any], key: str) -> bool:
+        return self._typed(node.get(key, False), bool)
+
+    def _record(self, t: str, name: str) -> Any:
+        """The manifest record of the array a leaf node names, checked to be of the node's kind."""
+        if self.records is None:
+            return None
+        rec = self.records.get(name)
+        if rec is None:
+            raise self.bad(f"names arrays the manifest does not record: [{name[:200]!r}]")
+        if rec.kind != _LEAF_KINDS[t]:
+            raise self.bad(f"a {t!r} node names {name[:200]!r}, a {rec.kind} array")
+        return rec
+
     def _dtensor(self, node: dict[str, Any]) -> Any:
         """The local shard a "dtensor" node names, after checking every field of the node (see
-        ``check_dtensor_node``) and that the array read has the recorded local shape."""
+        ``check_dtensor_node``) and that its array has the recorded local shape."""
         problem = check_dtensor_node(node)
         if problem is not None:
             raise self.bad(f"malformed 'dtensor' node: {problem}")
+        rec = self._record("dtensor", node["name"])
+        if rec is not None and list(rec.shape) != node["local_shape"]:
+            raise self.bad(f"dtensor {node['name']!r}: its array has shape {list(rec.shape)}, "
+                           f"the node records local shape {node['local_shape']}")
+        if not self.materialize:
+            return None
         obj = self.leaf(node["name"], node)
         shape = getattr(obj, "shape", None)
         if shape is None or list(shape) != node["local_shape"]:
@@ -529,10 +702,41 @@ def unflatten(
     *,
     allow_pickle: bool = False,
     where: dict[str, Any] | None = None,
+    records: Mapping[str, Any] | None = None,
 ) -> Any:
     """Rebuilds a state from its tree; ``leaf(name, node)`` returns the array for a tensor, ndarray or
-    dtensor node (for a dtensor node, its local shard: the caller gets the plain local tensor)."""
-    return _Builder(leaf, allow_pickle, where or {}).build(tree)
+    dtensor node (for a dtensor node, its local shard: the caller gets the plain local tensor).
+    ``records`` (name -> manifest record) checks each leaf against the array it names first. Any
+    malformed node raises CorruptCut (HostileInput for a refused pickle)."""
+    return _Builder(leaf, allow_pickle, where or {}, records=records).build(tree)
+
+
+MAX_VIEW_DIMS = 64  # torch's own limit on dimensions
+
+
+def check_view(view: Any, numel: int) -> None:
+    """Raises ValueError unless ``view`` (a "tensor" node's ``view``: ``offset``, ``shape``, ``stride``
+    in elements) stays inside an array of ``numel`` elements. Shared by load (``arrays.apply_view``) and
+    verify (``check_tree``), so what verify accepts, load loads."""
+    if type(view) is not dict or set(view) != {"offset", "shape", "stride"}:
+        raise ValueError("view is not an object with exactly offset, shape and stride")
+    offset, shape, stride = view["offset"], view["shape"], view["stride"]
+    ints = [offset, *shape, *stride] if type(shape) is list and type(stride) is list else None
+    if ints is None or any(type(n) is not int or n < 0 for n in ints):
+        raise ValueError("view offset, shape and stride are not non-negative ints")
+    if len(shape) != len(stride) or len(shape) > MAX_VIEW_DIMS:
+        raise ValueError(f"view shape and stride differ in length or exceed {MAX_VIEW_DIMS} dimensions")
+    if all(shape) and offset + sum((n - 1) * st for n, st in zip(shape, stride)) >= numel:
+        raise ValueError(f"view {view} reaches past the {numel} elements of its array")
+    if not all(shape) and offset > numel:
+        raise ValueError(f"view {view} starts past the {numel} elements of its array")
+
+
+def check_tree(tree: Any, records: Mapping[str, Any], *, where: dict[str, Any] | None = None) -> None:
+    """Raises CorruptCut unless ``unflatten`` would decode ``tree``: the same decoder, run without torch
+    or numpy, building no array and unpickling nothing (pickle nodes must still be valid base64).
+    ``records`` maps each array name to its manifest record (``kind``, ``shape``)."""
+    _Builder(lambda name, node: None, True, where or {}, records=records, materialize=False).build(tree)
 
 
 def leaf_names(tree: Any) -> list[str]:

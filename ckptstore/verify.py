@@ -18,7 +18,7 @@ from .storage import Storage
 from .manifest import FileRecord, Manifest
 from .recovery import Classification
 from .shards import check_file_digest_v2, check_header_matches, local_digests_v2, read_header, read_shard_into
-from .tree import has_pickle, leaf_names
+from .tree import check_tree, has_pickle, leaf_names
 
 Progress = Callable[[int], None]
 
@@ -104,8 +104,9 @@ def verify_file(storage: Storage, m: Manifest, rec: FileRecord, progress: Progre
             header = read_header(storage, m.cut, rec)
             check_header_matches(header, tensors, {"store": storage.url, "cut": m.cut, "path": rel})
         else:
-            scratch = bytearray(max((t.nbytes for t in tensors), default=0))
-            read_shard_into(storage, m.cut, rec, tensors, lambda t: memoryview(scratch)[: t.nbytes],
+            # Each array streams through one buffer of at most 8 MiB (never its own size: a 131 KB zstd
+            # bomb claiming a 4 GiB array cost 4.2 GB here, issue 10 item 9).
+            read_shard_into(storage, m.cut, rec, tensors, lambda t: None,
                             format_version=m.format_version, verify=True, on_bytes=progress, reuses_buffers=True)
     except TruncatedFile as exc:
         return [Finding("error", "truncated", exc.message, m.cut, rel)]
@@ -114,6 +115,8 @@ def verify_file(storage: Storage, m: Manifest, rec: FileRecord, progress: Progre
     except CorruptCut as exc:
         kind = "hash-mismatch" if "blake3" in exc.message else "corrupt-file"
         return [Finding("error", kind, exc.message, m.cut, rel)]
+    except FileNotFoundError:  # raw, from a backend or a plain hashing read: gone since exists() above
+        return [Finding("error", "missing-file", f"{rel} is missing", m.cut, rel)]
     except StorageError as exc:
         if exc.errno == errno.ENOENT:
             return [Finding("error", "missing-file", f"{rel} is missing", m.cut, rel)]
@@ -121,13 +124,23 @@ def verify_file(storage: Storage, m: Manifest, rec: FileRecord, progress: Progre
         # skipping or quarantining the cut (ckptstore.selection).
         return [Finding("error", "io-error", exc.message, m.cut, rel)]
     except CkptStoreError as exc:
+        if not _exists(storage, rel):  # it went while it was read: absent, not unreadable (issue 10, item 12)
+            return [Finding("error", "missing-file", f"{rel} is missing", m.cut, rel)]
         return [Finding("error", "unreadable", exc.message, m.cut, rel)]
     return []
 
 
+def _exists(storage: Storage, rel: str) -> bool:
+    try:
+        return storage.exists(rel)
+    except CkptStoreError:
+        return True  # cannot tell: keep what the read found
+
+
 def tree_problem(m: Manifest) -> str | None:
-    """Why a manifest's tree could not be loaded (names no recorded array, or holds a pickle the
-    manifest does not declare), or None. Checked without loading anything."""
+    """Why a manifest's tree could not be loaded (names no recorded array, holds a pickle the manifest
+    does not declare, or a node a load could not decode), or None. Checked without loading anything,
+    by the decoder loads use (``tree.check_tree``)."""
     for rank, _ in m.rank_trees():
         part = m.for_rank(rank)
         of_rank = f" of rank {rank}" if m.world_size > 1 else ""
@@ -137,6 +150,10 @@ def tree_problem(m: Manifest) -> str | None:
             return f"tree{of_rank} names arrays the manifest does not record: {sorted(unknown)[:3]}"
         if has_pickle(part.tree) and not m.pickled:
             return f"tree{of_rank} holds a pickled value the manifest does not declare (hostile or damaged)"
+        try:  # every node, decoded as a load decodes it (issue 10, item 8)
+            check_tree(part.tree, part.tensor_index())
+        except CkptStoreError as exc:
+            return f"rank {rank}: {exc.message}" if of_rank else exc.message
     return None
 
 
@@ -184,6 +201,7 @@ def verify_store(
     targets = cls.committed if cut is None else [m for m in cls.committed if m.cut == cut]
     for m in targets:
         report.cuts_checked.append(m.cut)
+        start = len(report.findings)
         problem = tree_problem(m)
         if problem is not None:
             add(Finding("error", "tree-invalid", problem, m.cut, layout.manifest_path(m.cut)))
@@ -200,6 +218,11 @@ def verify_store(
         if m.cut in cls.bad:
             add(Finding("notice", "recorded-bad", "cut was recorded bad by an earlier load", m.cut,
                         layout.bad_path(m.cut)))
+        # Whole-store audits only: a one-cut audit (repair, fallback, prune) must not pass a cut that is gone.
+        if cut is None and removed_meanwhile(storage, cls, m.cut, report.findings[start:]):
+            del report.findings[start:]
+            add(Finding("notice", "removed-during-verify", "the cut was removed (pruned) while it was verified: "
+                        "its files going is not damage", m.cut, layout.manifest_path(m.cut)))
     if cut is None:
         for lo in cls.leftovers:
             alive = {True: "alive", False: "dead", None: "unknown"}[lo.owner_alive]
@@ -209,6 +232,20 @@ def verify_store(
         for rel in cls.foreign:
             add(Finding("notice", "foreign", f"{rel} is not ckptstore's; left alone", path=rel))
     return report
+
+
+def removed_meanwhile(storage: Storage, cls: Classification, cut: str, findings: list[Finding]) -> bool:
+    """Whether a cut whose audit found errors was uncommitted while it was read (a concurrent prune
+    deletes the manifest first, then the files, issue 10 item 12): its manifest is gone now and LATEST
+    did not name it. A LATEST target, or a manifest that cannot be checked, keeps its findings."""
+    if not any(f.severity == "error" for f in findings):
+        return False
+    if cls.latest is not None and cls.latest.cut == cut:
+        return False
+    try:
+        return not storage.exists(layout.manifest_path(cut))
+    except CkptStoreError:
+        return False
 
 
 def first_error(report: VerifyReport) -> DataError | None:

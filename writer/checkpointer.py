@@ -30,7 +30,8 @@ from ckptstore.events import Emitter, JsonLinesFile
 from ckptstore.manifest import FileRecord
 from ckptstore.options import StoreOptions
 from ckptstore.pending import PendingCut, RankPart
-from ckptstore.ranks import check_same
+from ckptstore.info import CutInfo
+from ckptstore.ranks import check_all_ok, check_same, outcome
 from ckptstore.retention import Policy
 from ckptstore.storage import StorageSpec
 from ckptstore.store import Store
@@ -168,6 +169,43 @@ class Checkpointer:
         if final:
             handle.wait()
         return handle
+
+    def mark_final(self, step: int | None = None) -> CutInfo:
+        """Marks the last committed cut final without writing it again (``Store.mark_final``): for a loop
+        whose last periodic cut already holds its final state, so ``resume-info`` reports the step
+        where the run ended. Waits for a cut in flight first (its failure is raised). With ``step``,
+        raises ``StepConflict`` (marking nothing) unless the last committed cut is of that step (a
+        periodic cut of it may have been skipped: then take ``cut(step, state, final=True)``).
+        Collective with ``group=``: rank 0 writes the mark, every rank returns the same CutInfo."""
+        if self._closed:
+            raise UsageError("the checkpointer is closed", store=self.store.url)
+        if self._current is not None:
+            self._current._done.wait()
+        if self.ranked is None:
+            self._raise_unreported()
+            return self._mark_final(step)
+        err: BaseException | None = None
+        info: CutInfo | None = None
+        if self.store.ranks is not None and self.store.ranks.rank == 0:
+            try:
+                self._raise_unreported()
+                info = self._mark_final(step)
+            except BaseException as exc:  # noqa: BLE001 - every rank hears of it below
+                err = exc
+        msgs = self.ranked.ranks.exchange("mark-final", {**outcome(err), "info": info.to_json() if info else None},
+                                          **self.ranked.where)
+        if err is not None:
+            raise err
+        check_all_ok(msgs, "marking the last cut final", **self.ranked.where)
+        return CutInfo.from_json(msgs[0]["info"])
+
+    def _mark_final(self, step: int | None) -> CutInfo:
+        latest = self.store.latest()
+        if latest is None or step is not None and latest.step != step:
+            have = "no cut" if latest is None else f"step {latest.step}"
+            raise StepConflict(f"the last committed cut is {have}, not step {step}: nothing marked final",
+                               store=self.store.url, hint="take cut(step, state, final=True) instead")
+        return self.store.mark_final(latest.id)
 
     def _preempt(self, step: int, state: Any, *, tags: Sequence[str] = (), **kw: Any) -> CutHandle | None:
         """The preemption cut of ``step`` when a notice arrived (on any rank: agreed every call), else None."""

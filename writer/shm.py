@@ -9,6 +9,10 @@ creating a block and handing it over would leak one.)
 It lives on /dev/shm rather than memfd on purpose: /dev/shm is the size-limited mount containers
 configure, so ``posix_fallocate`` fails there with ENOSPC when the state does not fit, which becomes a
 clear ``ShmTooSmall`` naming the setting, never SIGBUS mid-copy and never the OOM killer.
+
+/dev/shm is shared by every user of the machine: a ``ckptstore-<pid>-*`` name there may be someone
+else's. Only names provably ours (our uid, a dead pid, a regular file) are ever removed, and a name
+already taken is skipped for a fresh one, so another user's file never stops a Checkpointer.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import errno
 import mmap
 import os
 import secrets
+import stat
 
 from .errors import ShmTooSmall
 
@@ -43,10 +48,8 @@ class Block:
         1 MiB) are reserved with posix_fallocate and prefaulted now; the rest is headroom that
         :meth:`ensure` reserves when a cut first needs it, so headroom costs no memory until used."""
         reap_stale()
-        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        name, fd = _create_unlinked()
         path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.unlink(path)  # from here on only file descriptors keep it alive
         upto = size if backed is None else min(size, _round_up(backed, BACK_STEP))
         try:
             os.ftruncate(fd, size)
@@ -133,6 +136,28 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
+#: Names tried before giving up: a collision needs a file of another user (or an earlier process of
+#: our pid) under the very name we drew, so a second draw is practically always free.
+NAME_ATTEMPTS = 8
+
+
+def _create_unlinked() -> tuple[str, int]:
+    """A fresh /dev/shm file of our own, opened O_EXCL|O_NOFOLLOW and unlinked at once; returns its
+    name and descriptor. A name already taken (another user's file, which we may not remove, or a
+    symlink) is never opened or removed: we draw another (issue 10, item 13)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    for _ in range(NAME_ATTEMPTS):
+        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            continue
+        os.unlink(path)  # from here on only file descriptors keep it alive
+        return name, fd
+    raise FileExistsError(errno.EEXIST, f"{NAME_ATTEMPTS} fresh names in {SHM_DIR} were all taken", SHM_DIR)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -144,19 +169,31 @@ def _pid_alive(pid: int) -> bool:
 
 
 def reap_stale() -> list[str]:
-    """Removes names that a process killed in the microseconds between create and unlink left."""
+    """Removes names that a process of ours killed in the microseconds between create and unlink left.
+    Only names provably ours are removed: a regular file (never a symlink) owned by our uid whose pid
+    is dead. Anything else (another user's file, a live pid, a name we may not unlink) is skipped
+    silently: someone else's leftover never stops a Checkpointer (issue 10, item 13)."""
     removed = []
+    uid = os.geteuid()
     for name in _names():
         try:
             pid = int(name[len(PREFIX):].split("-", 1)[0])
         except ValueError:
             continue
-        if not _pid_alive(pid):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
+        if not 0 < pid < 2**31:  # os.kill(0) is our process group; a huge pid is no process (OverflowError)
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or _pid_alive(pid):
+            continue
+        try:
+            os.unlink(path)
+        except OSError:  # gone already, or not ours to remove after all (EPERM, EACCES, EROFS)
+            continue
+        removed.append(name)
     return removed
 
 

@@ -166,8 +166,12 @@ def scenario_ck_loop(job: Job) -> dict[str, Any]:
         h = ck.maybe_cut(step, big_state(job.rank, step, mib) if mib else state_of(job.rank, step))
         if h is not None:
             taken.append(step)
-    final = job.cfg.get("steps", 10)
-    info = ck.cut(final, state_of(job.rank, final), final=True).wait()
+    if job.cfg.get("mark_final"):  # the last periodic cut is the run's end: marked final, not written again
+        info = ck.mark_final()
+        final = info.step
+    else:
+        final = job.cfg.get("steps", 10)
+        info = ck.cut(final, state_of(job.rank, final), final=True).wait()
     writer_pid = ck.writer_pid
     ck.close()
     from ckptstore.writer.shm import leftover_segments

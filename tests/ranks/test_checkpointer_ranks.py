@@ -15,9 +15,12 @@ from .rankkit import describe, run_job
 @pytest.mark.parametrize("mode", ["process", "thread"])
 def test_two_ranks_take_periodic_and_final_cuts(tmp_path, mode):
     url = str(tmp_path / "store")
-    res = run_job(str(tmp_path / "out"), 2, "ck_loop", url=url, mode=mode)
+    # thread mode ends with Checkpointer.mark_final (collective) instead of a final cut
+    res = run_job(str(tmp_path / "out"), 2, "ck_loop", url=url, mode=mode, mark_final=mode == "thread")
     assert all(r.result and r.result.get("same") for r in res), describe(res)
     a, b = res[0].result, res[1].result
+    if mode == "thread":
+        assert a["final"]["step"] == a["taken"][-1]
     # Agreement: the same cuts were taken (and skipped) on every rank, and the same cut committed.
     assert a["taken"] == b["taken"] and a["skipped"] == b["skipped"]
     assert a["final"] == b["final"] and a["final"]["world_size"] == 2 and a["final"]["final"]

@@ -47,6 +47,21 @@ def test_final_cut_waits_and_is_marked_final(url):
     assert store.manifest("latest").final is True
 
 
+def test_mark_final_marks_the_last_periodic_cut_without_writing_it_again(url):
+    """A loop whose last periodic cut holds its final state (step 6 of 6): mark_final waits for that cut
+    to commit and marks it final, so resume-info says the run finished at 6 (not at a cut of step 7)."""
+    with Checkpointer(url, every=3, busy="wait") as ck:
+        for step in range(1, 7):
+            ck.maybe_cut(step, small_state(step))
+        with pytest.raises(StepConflict, match="not step 7"):
+            ck.mark_final(7)
+        info = ck.mark_final(6)
+        assert info.step == 6 and info.final
+    store = check_store(url)
+    assert [(c.step, c.final) for c in store.cuts()] == [(3, False), (6, True)]
+    assert store.manifest("latest").final is False  # the manifest as committed: the mark is beside it
+
+
 def test_uses_a_given_store_and_leaves_it_open(url):
     store = Store.open(url, create=True)
     try:

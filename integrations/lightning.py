@@ -1,0 +1,202 @@
+"""A Lightning ``CheckpointIO`` plugin: every checkpoint Lightning writes is a cut of a ckptstore store.
+
+```python
+from ckptstore.integrations.lightning import CkptStoreCheckpointIO
+trainer = lightning.Trainer(plugins=[CkptStoreCheckpointIO()],
+                            callbacks=[ModelCheckpoint(dirpath=d, save_top_k=2, save_last=True)])
+trainer.fit(model, ckpt_path=path)   # any path Lightning reported (last_model_path, best_model_path)
+```
+
+**Paths onto cuts.** The directory of a checkpoint path (``ModelCheckpoint``'s ``dirpath``) is the store;
+the file name (``epoch=3-step=120.ckpt``, ``last.ckpt``) is a *label* of the cut (``Store.label``). A
+cut is written once per step: the first path Lightning saves at a step writes it (``Store.save`` of
+the whole checkpoint dict, without pickle), every other path at that step only labels it. Lightning's
+``remove_checkpoint`` (``save_top_k`` dropping a worse checkpoint, a moved ``last``) removes the label,
+and the cut goes when no label names it any more and it is not LATEST's (``Store.remove``, under
+prune's rules): a cut lives as long as a name Lightning holds, as its file would.
+
+**Resuming from an older path** (``best_model_path`` while ``last`` is newer) and training on: the
+first save after that resume points LATEST back at the cut the fit resumed from (so the new steps are
+above it) and writes its cuts from there; cuts of the abandoned continuation stay while a label still
+names them (Lightning's restored ``ModelCheckpoint`` no longer tracks them, just as it would leave
+their files on disk), and a name saved again moves to the new cut, so an old cut goes once none of
+its names is left.
+
+**Loading outside a Trainer.** ``LightningModule.load_from_checkpoint(path)`` reads the file itself and
+cannot be routed through a plugin; use :func:`load_checkpoint` (the same dict Lightning would read),
+then ``Model(**ckpt["hyper_parameters"])`` and ``model.load_state_dict(ckpt["state_dict"])``.
+
+Single process (or rank 0 of a DDP job, where Lightning saves from rank 0 only). docs/integrations.md
+has the details.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Iterable
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+from ckptstore import CkptStoreError, Store, StoreOptions, UsageError
+from ckptstore.errors import StepConflict
+
+log = logging.getLogger("ckptstore.integrations.lightning")
+
+#: Tag on every cut this plugin writes.
+TAG = "lightning"
+
+
+def split_path(path: str | os.PathLike) -> tuple[str, str]:
+    """(store URL, label) of a checkpoint path: its directory and its file name. fsspec URLs keep their
+    protocol; local paths are made absolute (Lightning hands over both forms for one directory)."""
+    text = os.fspath(path)
+    if "://" in text:
+        root, _, name = text.rstrip("/").rpartition("/")
+        return root, name
+    text = os.path.abspath(text)
+    return os.path.dirname(text), os.path.basename(text)
+
+
+def load_checkpoint(path: str | os.PathLike, *, map_location: Any = "cpu", allowed_types: Iterable[type] = (),
+                    storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The checkpoint dict saved under ``path`` by :class:`CkptStoreCheckpointIO`, read from its store
+    without a Trainer (``load_from_checkpoint`` cannot be routed through a plugin). ``path`` may also
+    be the store directory itself: then its LATEST cut. Raises ``FileNotFoundError`` naming the store
+    and its labels when no cut is labelled so."""
+    root, name = split_path(path)
+    options = StoreOptions(storage_options=storage_options)
+    if _is_store(os.fspath(path), options):
+        with Store.open(os.fspath(path), readonly=True, options=options) as store:
+            return _load(store, "latest", map_location, allowed_types)
+    with Store.open(root, readonly=True, options=options) as store:
+        return _load(store, _resolve(store, name, root), map_location, allowed_types)
+
+
+def _is_store(url: str, options: StoreOptions) -> bool:
+    try:
+        Store.open(url, readonly=True, options=options).close()
+        return True
+    except CkptStoreError:
+        return False
+
+
+def _resolve(store: Store, name: str, root: str) -> str:
+    cut = store.labels().get(name)
+    if cut is None:
+        known = sorted(store.labels())
+        raise FileNotFoundError(f"no checkpoint {name!r} in the ckptstore store {root} (its labels: "
+                                f"{', '.join(known[:10]) or 'none'}{' ...' if len(known) > 10 else ''})")
+    return cut
+
+
+def _load(store: Store, cut: str, map_location: Any, allowed_types: Iterable[type]) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    if allowed_types:
+        kw["allowed_types"] = list(allowed_types)
+    state = store.load(cut, map_location=map_location, **kw)
+    if not isinstance(state, dict):
+        raise UsageError(f"cut {cut} does not hold a Lightning checkpoint dict", store=store.url, cut=cut)
+    return state
+
+
+class CkptStoreCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` over ckptstore stores (see the module docstring).
+
+    ``store_options``: how stores are created and opened (compression, shard size, fsspec options).
+    ``allowed_types``: user classes (enums, dataclasses, namedtuples) the loaded hyperparameters may
+    come back as (``ckptstore.load(..., allowed_types=)``). The plugin holds each store's writer lock
+    from its first save until ``teardown`` (the end of ``fit``).
+    """
+
+    def __init__(self, *, store_options: StoreOptions | None = None, allowed_types: Iterable[type] = ()) -> None:
+        self.store_options = store_options
+        self.allowed_types = tuple(allowed_types)
+        self._stores: dict[str, Store] = {}
+        self._resumed: dict[str, str] = {}  # store URL -> the cut the last load read (a rewind continues there)
+
+    # ------------------------------------------------------------------------------------- stores
+    def _writer(self, root: str) -> Store:
+        store = self._stores.get(root)
+        if store is None:
+            store = self._stores[root] = Store.open(root, create=True, options=self.store_options)
+        return store
+
+    # ---------------------------------------------------------------------------------- CheckpointIO
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("CkptStoreCheckpointIO takes no per-call storage_options: pass "
+                            "store_options=ckptstore.StoreOptions(...) to the plugin")
+        root, name = split_path(path)
+        store = self._writer(root)
+        step = int(checkpoint.get("global_step", 0))
+        latest = store.latest()
+        if latest is not None and step == latest.step:
+            cut = latest.id  # another name for the cut of this step: labelled, never written twice
+        else:
+            if latest is not None and step < latest.step:
+                self._rewind(store, step)
+            cut = store.save(checkpoint, step=step, tags=(TAG,), metadata={"lightning": {"path": name}}).id
+        previous = store.labels().get(name)
+        store.label(name, cut)
+        if previous is not None and previous != cut:
+            self._drop_if_unnamed(store, previous)
+
+    def _rewind(self, store: Store, step: int) -> None:
+        """A save below LATEST's step: the fit resumed from an older cut. LATEST goes back to that cut so
+        the run continues from it; anything else is a step going backwards, refused."""
+        resumed = self._resumed.get(store.url)
+        info = next((c for c in store.cuts() if c.id == resumed), None)
+        if info is None or info.step >= step:
+            raise StepConflict(f"Lightning saves step {step} below LATEST's step {store.latest().step} without having "
+                               "resumed from an older checkpoint of this store", store=store.url,
+                               hint="resume with trainer.fit(ckpt_path=...) from a checkpoint of this directory")
+        log.info("ckptstore: %s continues from %s (step %d): LATEST moves back to it", store.url, info.id, info.step)
+        store.point_latest(info.id)
+
+    def _drop_if_unnamed(self, store: Store, cut: str) -> None:
+        """Removes ``cut`` once no label names it (unless it is LATEST's or otherwise kept by the store)."""
+        if cut in store.labels().values():
+            return
+        latest = store.latest()
+        if latest is not None and latest.id == cut:
+            return
+        try:
+            store.remove(cut)
+        except CkptStoreError as exc:
+            log.warning("ckptstore: kept unnamed cut %s of %s: %s", cut, store.url, exc)
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        # weights_only: nothing is ever unpickled here; the dict comes back from typed JSON and arrays.
+        root, name = split_path(path)
+        store = self._stores.get(root)
+        if store is None and _is_store(os.fspath(path), self.store_options or StoreOptions()):
+            with Store.open(os.fspath(path), readonly=True, options=self.store_options) as whole:
+                return _load(whole, "latest", map_location, self.allowed_types)
+        own = store is None
+        if store is None:
+            store = Store.open(root, readonly=True, options=self.store_options)
+        try:
+            cut = _resolve(store, name, root)
+            state = _load(store, cut, map_location, self.allowed_types)
+        finally:
+            if own:
+                store.close()
+        self._resumed[root] = cut
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        root, name = split_path(path)
+        store = self._writer(root)
+        cut = store.unlabel(name)
+        if cut is not None:
+            self._drop_if_unnamed(store, cut)
+
+    def teardown(self) -> None:
+        stores, self._stores = self._stores, {}
+        for store in stores.values():
+            store.close()
+
+
+__all__ = ["CkptStoreCheckpointIO", "load_checkpoint", "split_path", "TAG"]
