@@ -11,5 +11,5 @@ fi
 # instead of downloading a multi-GB CUDA build.
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,bench]" 2>&1 | grep -v "is ignored" || true
-.venv/bin/python -c "import ckptstore, ckptstore.writer, ckptstore.integrations, torch, blake3, zstandard, safetensors, moto, s3fs, lightning, transformers" \
+.venv/bin/python -c "import ckptstore, ckptstore.writer, ckptstore.integrations, torch, blake3, zstandard, safetensors, moto, s3fs, lightning, transformers, accelerate" \
   || { echo "setup failed: dependencies missing in .venv" >&2; exit 1; }
