@@ -2,7 +2,8 @@
 
 Every byte is hashed once, while it is read (one pass), straight into the memory of the tensors returned;
 a partial load (``keys``) reads only the bytes those keys need and checks each array's own blake3.
-Nothing is unpickled unless the caller passes ``allow_pickle=True``.
+Nothing is unpickled unless the caller passes ``allow_pickle=True``, and nothing is imported by a name
+the cut holds: user classes come back as themselves only when named in ``allowed_types``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .storage import Storage
 from .manifest import Manifest, TensorRecord
 from .shards import check_header_matches, read_header, read_shard_into, read_tensor_range
 from .tree import leaf_names, unflatten
+from .values import allowed_map
 
 
 def _select_tree(m: Manifest, keys: Sequence[str] | None, where: dict[str, Any]) -> dict[str, Any]:
@@ -40,9 +42,13 @@ def load_manifest(
     verify: bool = True,
     keys: Sequence[str] | None = None,
     allow_pickle: bool = False,
+    allowed_types: Sequence[type] | None = None,
 ) -> Any:
-    """Reads the arrays of a committed cut's manifest and rebuilds its state."""
+    """Reads the arrays of a committed cut's manifest and rebuilds its state; enum, dataclass,
+    namedtuple, class and OmegaConf values come back as the classes of ``allowed_types`` that they
+    name, the others in their plain shapes (docs/format.md, "The tree")."""
     where = {"store": storage.url, "cut": m.cut}
+    allowed = list(allowed_map(allowed_types, where).values())  # a UsageError before any byte is read
     tree = _select_tree(m, keys, where)
     index = m.tensor_index()
     if keys is None:
@@ -104,7 +110,7 @@ def load_manifest(
             finished[key] = finish_tensor(obj, node, map_location)
         return finished[key]
 
-    return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where, records=index)
+    return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where, records=index, allowed_types=allowed)
 
 
 def _allocate(t: TensorRecord, where: dict[str, Any]) -> tuple[Any, memoryview]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from .errors import CutNotFound, UsageError
 from .info import CutInfo
@@ -86,6 +86,7 @@ def restore(
     rng: bool = True,
     group: Any = None,
     rank_timeout: float | None = None,
+    allowed_types: Sequence[type] | None = None,
 ) -> Resumed | None:
     """Loads the cut to resume from into the live objects; None for an empty store.
 
@@ -97,6 +98,9 @@ def restore(
     With ``group`` (or a store opened with ``group=``) it is collective: rank 0 chooses the cut
     (fallback decisions included), every rank restores its own part of it, and every rank raises if
     any rank failed. The cut's world size must be the group's.
+
+    ``allowed_types`` names the user classes (enums, dataclasses, namedtuples) the state's values may
+    come back as (see :func:`ckptstore.load`).
     """
     own = isinstance(url_or_store, str)
     store = Store.open(url_or_store, create=True, group=group, rank_timeout=rank_timeout) if own else url_or_store  # type: ignore[arg-type]
@@ -108,8 +112,8 @@ def restore(
             info, skipped = _choose(store, fallback)
             if info is None:
                 return None
-            return _restore_part(store, info, skipped, None, objs, map_location, rng)
-        return _restore_ranks(store, fallback, objs, map_location, rng)
+            return _restore_part(store, info, skipped, None, objs, map_location, rng, allowed_types)
+        return _restore_ranks(store, fallback, objs, map_location, rng, allowed_types)
     finally:
         if own:
             store.close()
@@ -129,7 +133,8 @@ def _choose(store: Store, fallback: bool) -> tuple[CutInfo | None, dict[str, str
     return info, skipped
 
 
-def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_location: Any, rng: bool) -> Resumed | None:
+def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_location: Any, rng: bool,
+                   allowed_types: Sequence[type] | None) -> Resumed | None:
     ranks = store.ranks
     assert ranks is not None
     where: dict[str, Any] = {"store": store.url}
@@ -157,7 +162,7 @@ def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_locat
                              "restore needs the world size of the save (resharding needs the DCP reader)",
                              store=store.url, cut=m.cut)
         resumed = _restore_part(store, CutInfo.from_manifest(m), dict(chosen["skipped"]), ranks.rank, objs,
-                                map_location, rng)
+                                map_location, rng, allowed_types)
     except BaseException as exc:  # noqa: BLE001
         err = exc
     msgs = ranks.exchange("restore-done", outcome(err), **where, cut=chosen["cut"])
@@ -168,11 +173,11 @@ def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_locat
 
 
 def _restore_part(store: Store, info: CutInfo, skipped: dict[str, str], rank: int | None, objs: dict[str, Any],
-                  map_location: Any, rng: bool) -> Resumed:
+                  map_location: Any, rng: bool, allowed_types: Sequence[type] | None) -> Resumed:
     from .dtensors import node_at, restore_into
 
     part = store.manifest(info.id).for_rank(rank or 0)
-    state = store.load(info.id, map_location=map_location, rank=rank)
+    state = store.load(info.id, map_location=map_location, rank=rank, allowed_types=allowed_types)
     where = {"store": store.url, "cut": info.id}
     for key, obj in objs.items():
         if obj is not None:

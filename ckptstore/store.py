@@ -334,6 +334,7 @@ class Store:
         allow_pickle: bool = False,
         fallback: bool = False,
         rank: int | None = None,
+        allowed_types: Sequence[type] | None = None,
     ) -> Any:
         """The state saved in a committed cut (see :func:`ckptstore.load`)."""
         if fallback and cut == "latest":
@@ -347,7 +348,7 @@ class Store:
                                store=self.url, cut=m.cut)
         map_location = resolve_map_location(map_location, {"store": self.url, "cut": m.cut})
         return load_manifest(self.storage, m, map_location=map_location, verify=verify, keys=keys,
-                             allow_pickle=allow_pickle)
+                             allow_pickle=allow_pickle, allowed_types=allowed_types)
 
     def choose(self, *, fallback: bool) -> tuple[CutInfo | None, dict[str, str]]:
         """The cut to resume from (see :func:`ckptstore.selection.choose_cut`); with ``fallback`` the
@@ -891,6 +892,7 @@ def load(
     fallback: bool = False,
     storage_options: dict[str, Any] | None = None,
     rank: int | None = None,
+    allowed_types: Sequence[type] | None = None,
 ) -> Any:
     """Loads a committed cut: "latest" (default), a cut id, or an int step.
 
@@ -903,10 +905,12 @@ def load(
     loads only those top-level keys and reads only their bytes. ``map_location`` moves tensors.
     ``fallback=True`` (with ``cut="latest"``) walks back from a LATEST that fails verification to the
     newest cut that verifies, logs what it skipped and why, and records the bad cuts so no restart tries
-    them again.
+    them again. ``allowed_types`` (a list of classes, e.g. ``[Color, OptimCfg]``) are the user classes
+    whose enum members, dataclasses, namedtuples and class objects come back as themselves, matched by
+    qualified name; the others come back in plain shapes (docs/format.md). Nothing is imported by name.
     """
     kw = dict(map_location=map_location, verify=verify, keys=keys, allow_pickle=allow_pickle, fallback=fallback,
-              rank=rank)
+              rank=rank, allowed_types=allowed_types)
     if isinstance(url, Store):
         return url.load(cut, **kw)  # type: ignore[arg-type]
     with Store.open(url, readonly=True, options=StoreOptions(storage_options=storage_options)) as store:

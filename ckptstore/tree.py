@@ -1,9 +1,12 @@
 """The typed JSON tree of a state: what ``save`` stores instead of a pickle.
 
 ``flatten`` walks a state (dicts with str or int keys, lists, tuples, tensors, DTensors, numpy arrays,
-python scalars, str, bytes, None) and returns a JSON tree plus the list of array leaves, each named by
-its key path. ``unflatten`` rebuilds the same structure with the same types. Every node is an object
-with a ``t`` kind; unknown kinds are refused on load. Floats are stored as ``float.hex`` so they
+python scalars, str, bytes, None, and the values of ``values.py``: paths, enums, dataclasses,
+namedtuples, Namespaces, datetimes, sets, OmegaConf containers, classes) and returns a JSON tree plus
+the list of array leaves, each named by its key path. Values it cannot store are collected, and one
+UnsupportedValue lists them all with their key paths and why. ``unflatten`` rebuilds the same
+structure with the same types. Every node is an object with a ``t`` kind; unknown kinds are refused on
+load. Floats are stored as ``float.hex`` so they
 round-trip bit-exactly (nan payloads and -0.0 included).
 
 A ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallel) is stored as its rank's local shard (an
@@ -31,9 +34,11 @@ from typing import Any, Callable, Mapping
 
 from .errors import CkptStoreError, CorruptCut, HostileInput, UnsupportedValue
 from .format import TORCH_DTYPE_NAMES, check_device, numpy_itemsize
+from .values import VALUE_KINDS, allowed_map, decode, encode, why_refused
 
 MAX_DEPTH = 200
 MAX_NAME = 4000  # array names (key paths) stay below the manifest's 4096-character bound
+MAX_LISTED = 20  # refused values named in one UnsupportedValue; the rest are counted
 
 
 @dataclass
@@ -111,6 +116,20 @@ class _Flattener:
         # repeats the same few layouts (exp_avg and exp_avg_sq share their parameter's).
         self.layouts: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.meshes: dict[int, dict[str, Any]] = {}  # id(mesh) -> its JSON (the meshes live while we run)
+        # (key path, why) of every value refused: one error names them all (issue 13), not the first only.
+        self.refused: list[tuple[str, str]] = []
+
+    def refuse(self, path: tuple[Any, ...], why: str) -> dict[str, Any]:
+        """Records a value that cannot be stored; its placeholder node is never written (flatten raises)."""
+        self.refused.append((_key_path(path), why))
+        return {"t": "none"}
+
+    def plain(self, node: dict[str, Any]) -> Any:
+        """What verify's check mode decodes ``node`` to (the plain shape, torch values as None)."""
+        return _Builder(lambda name, n: None, True, {}, materialize=False).build(node)
+
+    def holds_arrays(self, node: dict[str, Any]) -> bool:
+        return bool(leaf_names(node))
 
     def _name(self, path: tuple[Any, ...]) -> str:
         base = _key_path(path)
@@ -161,12 +180,9 @@ class _Flattener:
                 elif type(k) is int and k.bit_length() <= MAX_JSON_INT_BITS:
                     items.append({"ik": k, "v": self.node(v, path + (k,))})
                 elif type(k) is int:
-                    raise UnsupportedValue(f"dict key at {_key_path(path)!r} is an int wider than "
-                                           f"{MAX_JSON_INT_BITS} bits; use a str key")
+                    self.refuse(path, f"a dict key is an int wider than {MAX_JSON_INT_BITS} bits; use a str key")
                 else:
-                    raise UnsupportedValue(
-                        f"dict key {k!r} at {_key_path(path)!r} is a {type(k).__name__}; keys must be str or int"
-                    )
+                    self.refuse(path, f"dict key {repr(k)[:60]} is a {type(k).__name__}; keys must be str or int")
             return {"t": "dict", "ordered": type(value) is collections.OrderedDict, "items": items}
         if type(value) in (list, tuple):
             kind = "list" if type(value) is list else "tuple"
@@ -177,22 +193,21 @@ class _Flattener:
             return {"t": "dtype", "v": str(value).removeprefix("torch.")}
         if torch is not None and isinstance(value, torch.device):
             return {"t": "device", "v": str(value)}
-        return self._fallback(value, path)
+        # Issue 13: paths, enums, dataclasses, ... After every fast branch, so a tensor or a dict pays
+        # nothing for them.
+        node = encode(self, value, path)
+        return node if node is not None else self._fallback(value, path)
 
     def _fallback(self, value: Any, path: tuple[Any, ...]) -> dict[str, Any]:
         if not self.allow_pickle:
-            raise UnsupportedValue(
-                f"cannot store {type(value).__module__}.{type(value).__qualname__} at key "
-                f"{_key_path(path)!r} without pickle; convert it to tensors/dicts/scalars, or pass "
-                "allow_pickle=True (loading then needs allow_pickle=True too)"
-            )
+            return self.refuse(path, why_refused(value))
         return {"t": "pickle", "v": base64.b64encode(pickle.dumps(value, protocol=5)).decode()}
 
     def _tensor(self, t: Any, path: tuple[Any, ...]) -> dict[str, Any]:
         torch = self.torch
         if t.is_sparse or t.layout != torch.strided:
             return self._fallback(t, path)
-        if t.is_quantized or t.device.type == "meta":
+        if t.is_quantized or t.device.type == "meta" or t.is_nested:
             return self._fallback(t, path)
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
                t.device.type) if t.numel() else None
@@ -347,9 +362,21 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict[str, Any], 
             tree = f.node(state, ())
     else:
         tree = f.node(state, ())
+    if f.refused:
+        raise UnsupportedValue(refusal_message(f.refused))
     if f.shared:
         share_storages(tree, f.leaves, f.shared)
     return tree, f.leaves
+
+
+def refusal_message(refused: list[tuple[str, str]]) -> str:
+    """One message naming every refused value (the first MAX_LISTED, then a count) with its key path."""
+    lines = [f"  {key!r}: {why}" for key, why in refused[:MAX_LISTED]]
+    if len(refused) > MAX_LISTED:
+        lines.append(f"  ... and {len(refused) - MAX_LISTED} more")
+    return (f"cannot store {len(refused)} value{'s' if len(refused) > 1 else ''} without pickle:\n" + "\n".join(lines)
+            + "\nconvert them to tensors, dicts, lists or scalars, or pass allow_pickle=True for values pickle "
+            "can store (loading then needs allow_pickle=True too)")
 
 
 def _byte_span(t: Any) -> tuple[int, int]:
@@ -397,10 +424,8 @@ def share_storages(tree: dict[str, Any], leaves: list[Leaf], shared: dict[tuple[
             node["name"], view = merged[node["name"]]
             if view:
                 node["view"] = view
-        elif t == "dict":
-            stack.extend(item["v"] for item in node["items"])
-        elif t in ("list", "tuple"):
-            stack.extend(node["items"])
+        else:
+            stack.extend(children(node))
 
 
 def _merge(members: list[Leaf], merged: dict[str, tuple[str, dict[str, Any]]], dropped: set[str],
@@ -439,8 +464,10 @@ class _Builder:
     ``records`` (array name -> its manifest record) lets each leaf be checked against the array it names."""
 
     def __init__(self, leaf: Callable[[str, dict[str, Any]], Any], allow_pickle: bool, where: dict[str, Any],
-                 *, records: Mapping[str, Any] | None = None, materialize: bool = True):
+                 *, records: Mapping[str, Any] | None = None, materialize: bool = True,
+                 allowed: Mapping[str, type] | None = None):
         self.leaf = leaf
+        self.allowed = allowed or {}  # qualified name -> a class the caller named in allowed_types
         self.allow_pickle = allow_pickle
         self.where = where
         self.records = records
@@ -557,6 +584,8 @@ class _Builder:
                 )
             raw = base64.b64decode(self._typed(node["v"], str), validate=True)
             return pickle.loads(raw) if self.materialize else None
+        if t in VALUE_KINDS:
+            return decode(self, t, node, depth)
         raise self.bad(f"unknown node kind {str(t)[:40]!r}")
 
     def _typed(self, v: Any, typ: type) -> Any:
@@ -703,12 +732,16 @@ def unflatten(
     allow_pickle: bool = False,
     where: dict[str, Any] | None = None,
     records: Mapping[str, Any] | None = None,
+    allowed_types: Any = None,
 ) -> Any:
     """Rebuilds a state from its tree; ``leaf(name, node)`` returns the array for a tensor, ndarray or
     dtensor node (for a dtensor node, its local shard: the caller gets the plain local tensor).
     ``records`` (name -> manifest record) checks each leaf against the array it names first. Any
-    malformed node raises CorruptCut (HostileInput for a refused pickle)."""
-    return _Builder(leaf, allow_pickle, where or {}, records=records).build(tree)
+    malformed node raises CorruptCut (HostileInput for a refused pickle). ``allowed_types`` (a list of
+    classes) are the user classes that enum, dataclass, namedtuple, class and omegaconf nodes may come
+    back as, matched by qualified name; nothing is ever imported by a name the tree holds."""
+    allowed = allowed_map(allowed_types, where)
+    return _Builder(leaf, allow_pickle, where or {}, records=records, allowed=allowed).build(tree)
 
 
 MAX_VIEW_DIMS = 64  # torch's own limit on dimensions
@@ -749,11 +782,20 @@ def leaf_names(tree: Any) -> list[str]:
             continue
         if node.get("t") in ("tensor", "ndarray", "dtensor") and isinstance(node.get("name"), str):
             out.append(node["name"])
-        items = node.get("items") if isinstance(node.get("items"), list) else []
-        if node.get("t") == "dict":
-            items = [item.get("v") for item in items if isinstance(item, dict)]
-        stack.extend(reversed(items))
+        stack.extend(reversed(children(node)))
     return out
+
+
+def children(node: dict[str, Any]) -> list[Any]:
+    """The child nodes of a node of any kind: a dict's item values, the ``items`` of lists, tuples, sets,
+    dataclasses, namedtuples and Namespaces, the ``value`` of an enum or omegaconf node. Tolerates
+    malformed nodes (the walkers run before the tree is checked)."""
+    items = node.get("items")
+    items = items if isinstance(items, list) else []
+    if node.get("t") == "dict":
+        items = [item.get("v") for item in items if isinstance(item, dict)]
+    value = node.get("value")
+    return [*items, value] if isinstance(value, dict) else items
 
 
 def has_pickle(tree: Any) -> bool:
@@ -765,6 +807,5 @@ def has_pickle(tree: Any) -> bool:
             continue
         if node.get("t") == "pickle":
             return True
-        items = node.get("items") if isinstance(node.get("items"), list) else []
-        stack.extend(item.get("v") if node.get("t") == "dict" and isinstance(item, dict) else item for item in items)
+        stack.extend(children(node))
     return False

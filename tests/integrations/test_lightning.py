@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import os
+import pathlib
 import warnings
 
 import pytest
@@ -21,7 +23,8 @@ STEPS_PER_EPOCH = 4
 
 
 class TinyModule(L.LightningModule):
-    def __init__(self, lr: float = 0.05, width: int = 8) -> None:
+    def __init__(self, lr: float = 0.05, width: int = 8, data_dir: pathlib.Path = pathlib.Path("data"),
+                 when: datetime.date = datetime.date(2026, 11, 30)) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
@@ -98,7 +101,10 @@ def test_the_directory_is_a_store_whose_labels_are_the_paths_lightning_holds(run
 def test_load_checkpoint_outside_a_trainer_and_a_missing_name(runs):
     cb = runs["resumed_cb"]
     ckpt = load_checkpoint(cb.best_model_path)
-    assert ckpt["hyper_parameters"] == {"lr": 0.05, "width": 8}
+    # hyperparameters of types Lightning users have (a Path, a date) come back as themselves, without pickle
+    assert ckpt["hyper_parameters"] == {"lr": 0.05, "width": 8, "data_dir": pathlib.Path("data"),
+                                        "when": datetime.date(2026, 11, 30)}
+    assert type(ckpt["hyper_parameters"]["data_dir"]) is type(pathlib.Path("data"))
     model = TinyModule(**ckpt["hyper_parameters"])
     model.load_state_dict(ckpt["state_dict"])
     assert ckpt["global_step"] == int(os.path.basename(cb.best_model_path).split("step=")[1].split(".")[0])

@@ -571,9 +571,9 @@ class Custom:
 def test_arbitrary_objects_are_refused_with_their_key_path(store: Store) -> None:
     store.save({"ok": 1}, step=0)
     for bad, where in [({"model": {"obj": Custom(1)}}, "model/obj"),
-                       ({"opt": [1, {"s": {1, 2}}]}, "opt/1/s"),
+                       ({"opt": [1, {"s": lambda: 0}]}, "opt/1/s"),  # sets are storable since issue 13
                        ({"cfg": {(1, 2): "tuple key"}}, "cfg"),
-                       ({"f": frozenset()}, "f")]:
+                       ({"f": iter(())}, "f")]:
         with pytest.raises(ckptstore.UnsupportedValue) as ei:
             store.save(bad, step=1)
         assert where in str(ei.value), str(ei.value)
