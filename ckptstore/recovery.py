@@ -98,7 +98,9 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
     st = DiskState()
     seen: ManifestCache = {}
     where = {"store": storage.url}
-    for entry in storage.list_dir(""):
+    root = storage.list_dir("")
+    present = {entry.name for entry in root}
+    for entry in root:
         if layout.is_tmp_name(entry.name) and not entry.is_dir:
             st.tmp_files.append(entry.name)
         elif entry.name not in layout.ROOT_ENTRIES:
@@ -147,6 +149,12 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
             except DataError as exc:
                 st.broken_manifests[entry.name] = exc
     for sub, target in ((layout.MARKS_DIR, st.marks), (layout.BAD_DIR, st.bad), (layout.FINAL_DIR, st.final)):
+        # marks/ is always listed: a mark created after the root listing must still be seen, or a cut in
+        # progress would pass for committed. Bad records, final marks and labels only annotate
+        # committed cuts: a directory absent from the root listing is not listed (on an object store,
+        # each listing of a missing prefix costs two requests).
+        if sub != layout.MARKS_DIR and sub not in present:
+            continue
         for entry in storage.list_dir(sub):
             rel = f"{sub}/{entry.name}"
             if layout.is_tmp_name(entry.name) and not entry.is_dir:
@@ -164,7 +172,7 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
                 target[cut] = model.from_bytes(data, cut=cut, path=rel, **where)  # type: ignore[attr-defined]
             except CkptStoreError:
                 target[cut] = None  # unreadable: still ours by name, so it is handled, not ignored
-    for entry in storage.list_dir(layout.LABELS_DIR):
+    for entry in storage.list_dir(layout.LABELS_DIR) if layout.LABELS_DIR in present else ():
         rel = f"{layout.LABELS_DIR}/{entry.name}"
         if layout.is_tmp_name(entry.name) and not entry.is_dir:
             st.tmp_files.append(rel)

@@ -245,4 +245,4 @@ def test_export_single_rank_unchanged(store_url, tmp_path, capsys):
     assert out.split(" to ")[0].endswith(" (1 tensors)")  # no "rank R of N" for a cut of one rank
     header, _ = read_safetensors(out_path)
     assert "ckptstore_rank" not in header["__metadata__"]
-    assert run(capsys, "export", store_url, "1", "--to", out_path, "--rank", "0")[0] == 0
+    assert run(capsys, "export", store_url, "1", "--to", out_path, "--rank", "0", "--force")[0] == 0

@@ -193,7 +193,10 @@ def test_s3_writer_that_lost_its_lease_never_commits(s3_url):
     stalled = ckptstore.Store.open(url, create=True, options=options)
     stalled.save(_state(1), step=1)
     stalled._lock._lease._stop.set()  # stall the renewals, as a paused or partitioned process would
-    with _open_once_the_lease_expires(url, options, deadline=time.monotonic() + 10) as taker:
+    # The taker's own lease gets a longer ttl: on a loaded 2-core machine a 1 s lease can lapse during
+    # its first save, which is not what this test is about (the stalled writer's 1 s lease is).
+    taker_options = StoreOptions(storage_options=opts, lease_ttl_s=5.0)
+    with _open_once_the_lease_expires(url, taker_options, deadline=time.monotonic() + 10) as taker:
         taker.save(_state(2), step=2)
         with pytest.raises(ckptstore.StoreLocked) as exc:
             stalled.save(_state(3), step=3)
