@@ -19,7 +19,7 @@ from .soak import TRAINER, _gone, check_store, soak
 
 
 def test_short_soak(tmp_path):
-    rep = soak(str(tmp_path / "store"), seconds=45, seed=1234, max_run=2.0)
+    rep = soak(str(tmp_path / "store"), seconds=30, seed=1234, max_run=2.0)
     assert rep.restarts >= 5
     assert rep.committed > 0
     assert len(rep.resumed_steps) == rep.restarts
