@@ -136,8 +136,24 @@ def proc_state(pid: int) -> str | None:
 
 def has_exited(pid: int) -> bool:
     """True once ``pid`` runs no more: gone, or a zombie waiting for a parent that may never reap it
-    (an orphan's new parent here is PID 1, which is not an init that reaps)."""
-    return proc_state(pid) in (None, "Z", "X")
+    (an orphan's new parent here is PID 1, which is not an init that reaps). Every thread counts: a
+    multithreaded process's leader shows "Z" as soon as its own thread exited, while the others may
+    still be exiting and still hold the process's files (a flocked writer lock among them)."""
+    if proc_state(pid) not in (None, "Z", "X"):
+        return False
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+        return True
+    return all(proc_state_of_task(pid, t) in (None, "Z", "X") for t in tasks)
+
+
+def proc_state_of_task(pid: int, tid: str) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat[stat.rindex(")") + 2]
 
 
 def proc_nice(pid: int) -> int:
