@@ -82,9 +82,29 @@ def test_a_rank_killed_after_capture_fails_the_cut_everywhere_and_nobody_hangs(t
         latest = store.latest()
         assert latest.step in (1, 2) and latest.world_size == 2
         assert store.verify(latest.id).ok
+    # A killed rank 0's writer process inherited the writer lock and finishes (or gives up) the cut it
+    # was handed before it exits; a restart takes the store once it is gone (bounded).
+    _wait_until_writable(url, within=60)
     # A restart resumes from LATEST on every rank.
     res2 = run_job(str(tmp_path / "out2"), 2, "resume", url=url)
     assert all(r.result and r.result.get("state_ok") for r in res2), describe(res2)
+
+
+def _wait_until_writable(url: str, *, within: float) -> None:
+    """Until the writer lock can be taken (polling, without recovery); fails after ``within`` s."""
+    import time
+
+    from ckptstore.store import open_for_repair
+
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            open_for_repair(url).close()
+            return
+        except ckptstore.StoreLocked:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def test_background_cuts_of_two_ranks_on_the_s3_server(tmp_path, s3_url):
