@@ -46,23 +46,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import datetime as _dt
 import gc
 import os
-import platform
 import shlex
 import shutil
-import socket
 import sys
 import tempfile
-import threading
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-GB = 1e9
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN = "<!-- bench_dcp:begin -->"
 END = "<!-- bench_dcp:end -->"
@@ -76,112 +70,26 @@ SR_NV = "dcp.load, StoreReader verify=False"
 FSR = "dcp.load, FileSystemReader"
 DISK_READ = "(floor) disk: raw read of the store's shard files, 8 MiB readinto"
 
+# The measurement helpers bench_store.py shares (no import-time side effects).
+from benchkit import (  # noqa: E402
+    GB, FloorRep, RssSampler, Series, drop_caches, files_under, fsync_dcp_dir, gbps, machine_summary, pin_malloc, read_files,
+    shard_files)
+from benchkit import ratio as _ratio, rotate as _rotate, secs as _secs  # noqa: E402
 
-def _pin_malloc() -> bool:
-    """mallopt(M_MMAP_THRESHOLD, 128 KiB), as bench_store.py: freed big blocks go back to the kernel."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024))
-    except OSError:
-        return False
+MALLOC_PINNED = pin_malloc()
 
-
-MALLOC_PINNED = _pin_malloc()
-
-import blake3  # noqa: E402
-import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 sys.path.insert(0, REPO)
-import ckptstore  # noqa: E402
 from ckptstore.dcp import StoreReader, StoreWriter  # noqa: E402
-from benchfloors import AlignedImage, Timed, blake3_pass, odirect_write  # noqa: E402
-from benchstate import build_state, fmt, fsync_path, machine_lines  # noqa: E402
+from benchfloors import AlignedImage, blake3_pass, odirect_write  # noqa: E402
+from benchstate import build_state, fmt  # noqa: E402
 from benchtargets import table as md_table  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------
-# helpers (the same measurements as bench_store.py / bench_ranks.py; neither benchmark imports another)
-
-
-class RssSampler:
-    """Peak RSS of this process while a block runs, sampled every ``interval`` s by a thread."""
-
-    def __init__(self, interval: float = 0.01) -> None:
-        self.proc = psutil.Process()
-        self.interval = interval
-        self.base = self.peak = 0
-        self._stop = threading.Event()
-        self._t: threading.Thread | None = None
-
-    def __enter__(self) -> "RssSampler":
-        self.base = self.peak = self.proc.memory_info().rss
-        self._stop.clear()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        assert self._t is not None
-        self._t.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    @property
-    def extra_mb(self) -> float:
-        return (self.peak - self.base) / 1e6
-
-
-def fsync_dcp_dir(d: str) -> None:
-    """DCP fsyncs its files; the directory entries (the files', the directory's own) need these
-    (bench_ranks.py)."""
-    fsync_path(d)
-    fsync_path(os.path.dirname(d))
-
-
-def drop_caches() -> str | None:
-    """sync + drop the page cache; an error string when not permitted."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return None
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
-def read_files(paths: list[str]) -> None:
-    buf = bytearray(8 << 20)
-    mv = memoryview(buf)
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(mv):
-                pass
-
-
-def files_under(root: str) -> list[str]:
-    return sorted(os.path.join(dp, f) for dp, _d, fs in os.walk(root) for f in fs)
-
-
-def shard_files(store_dir: str) -> list[str]:
-    return [p for p in files_under(os.path.join(store_dir, "cuts")) if p.endswith(".safetensors")]
-
-
-def _rotate(items: list, k: int) -> list:
-    k %= len(items)
-    return items[k:] + items[:k]
-
-
-def paired(a: list[float], b: list[float]) -> list[float]:
-    return [x / y for x, y in zip(a, b)]
-
-
-def gbps(nbytes: int, secs: list[float]) -> list[float]:
-    return [nbytes / GB / s for s in secs]
+# helpers of this benchmark only (the shared ones are in benchkit.py)
 
 
 class PhaseTimer:
@@ -204,20 +112,6 @@ class PhaseTimer:
 
 WRITER_PHASES = ("prepare_global_plan", "write_data", "finish")
 READER_PHASES = ("read_metadata", "read_data")
-
-
-@dataclass
-class Series:
-    seconds: list[float] = field(default_factory=list)
-    rss_mb: list[float] = field(default_factory=list)
-    phases: list[dict[str, float]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class FloorRep:
-    memcpy: Timed
-    blake3_1t: Timed
-    blake3_auto: Timed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -440,18 +334,6 @@ class Bench:
 # report
 
 
-def _secs(t: dict[str, Series], name: str) -> list[float]:
-    return t[name].seconds if name in t else []
-
-
-def _ratio(a: list[float], b: list[float]) -> str:
-    return fmt(paired(a, b)) + "x" if a and b else "n/a"
-
-
-def _ordered(t: dict[str, Series]) -> list[tuple[str, Series]]:
-    return sorted(t.items(), key=lambda kv: kv[0].startswith("(floor)"))
-
-
 def _phases(s: Series, keys: tuple[str, ...]) -> str:
     return ", ".join(f"{k} {fmt([p.get(k, 0.0) for p in s.phases], 3)} s" for k in keys)
 
@@ -543,17 +425,6 @@ def report_loads(b: Bench) -> list[str]:
     return L
 
 
-def machine_summary() -> list[str]:
-    import safetensors
-
-    return [
-        *machine_lines(REPO),
-        f"Python {platform.python_version()}, torch {torch.__version__}, safetensors {safetensors.__version__}, "
-        f"blake3 {getattr(blake3, '__version__', '?')}, psutil {psutil.__version__}, ckptstore {ckptstore.__version__}",
-        f"Host: {socket.gethostname()}",
-    ]
-
-
 SAYS_PLACEHOLDER = "(fill in by hand from this run's numbers)"
 
 
@@ -567,7 +438,7 @@ def report(b: Bench, cmd: str, started: str, wall: float, load_before: tuple, lo
         "",
         f"* Command: `{cmd}`",
         f"* Started {started}; the whole run took {wall:.0f} s.",
-        *[f"* {line}" for line in machine_summary()],
+        *[f"* {line}" for line in machine_summary(REPO)],
         f"* Load average (1/5/15 min) before: {'/'.join(f'{x:.2f}' for x in load_before)}; after: "
         f"{'/'.join(f'{x:.2f}' for x in load_after)}.",
         "",

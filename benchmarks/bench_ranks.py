@@ -58,7 +58,8 @@ import tempfile
 import time
 from typing import Any
 
-from benchstate import fmt, fsync_path, machine_lines, med
+from benchkit import fsync_dcp_dir
+from benchstate import fmt, machine_lines, med
 from benchtargets import DASH, Judge, Target, table as md_table
 
 GB = 1e9
@@ -90,12 +91,6 @@ def settle(s: float) -> None:
     previous write, the discards of deleted files), so every timed write starts from the same state."""
     os.sync()
     time.sleep(s)
-
-
-def fsync_dcp_dir(d: str) -> None:
-    """DCP fsyncs its files; the directory entries (the files', the directory's own) need these."""
-    fsync_path(d)
-    fsync_path(os.path.dirname(d))
 
 
 class EventLog:

@@ -38,18 +38,15 @@ recycled, already-faulted heap pages (on this VM class first-touch of fresh memo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime as _dt
 import gc
 import hashlib
 import os
-import platform
 import shlex
 import shutil
 import socket
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -91,18 +88,14 @@ TARGETS: dict[str, Target] = {
 }
 
 
-def _pin_malloc() -> bool:
-    """mallopt(M_MMAP_THRESHOLD, 128 KiB): disables glibc's dynamic threshold, so freed big blocks go
-    back to the kernel and the next allocation is fresh memory (like a new process)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_mmap_threshold = -3
-        return bool(libc.mallopt(m_mmap_threshold, 128 * 1024))
-    except OSError:
-        return False
+# The measurement helpers bench_dcp.py shares (no import-time side effects). The underscored names keep
+# this file's call sites; ``ratio`` is also a local name here.
+from benchkit import (  # noqa: E402
+    FloorRep, RssSampler, Series, drop_caches, gbps, machine_summary, paired, pin_malloc, shard_files)
+from benchkit import ordered as _ordered, ratio as _ratio, read_files as warm_files  # noqa: E402
+from benchkit import rotate as _rotate, secs as _secs  # noqa: E402
 
-
-MALLOC_PINNED = _pin_malloc()
+MALLOC_PINNED = pin_malloc()
 
 import blake3  # noqa: E402
 import psutil  # noqa: E402
@@ -111,65 +104,12 @@ import torch  # noqa: E402
 sys.path.insert(0, REPO)
 import ckptstore  # noqa: E402
 import benchsmall  # noqa: E402
-from benchfloors import AlignedImage, Timed, blake3_pass, odirect_write  # noqa: E402
-from benchstate import build_state, fmt, fsync_path, machine_lines  # noqa: E402
+from benchfloors import AlignedImage, blake3_pass, odirect_write  # noqa: E402
+from benchstate import build_state, fmt, fsync_path  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------
 # measurement helpers
-
-
-class RssSampler:
-    """Peak RSS of this process while a block runs, sampled every ``interval`` s by a thread."""
-
-    def __init__(self, interval: float = 0.01) -> None:
-        self.proc = psutil.Process()
-        self.interval = interval
-        self.base = 0
-        self.peak = 0
-        self._stop = threading.Event()
-        self._t: threading.Thread | None = None
-
-    def __enter__(self) -> "RssSampler":
-        self.base = self.peak = self.proc.memory_info().rss
-        self._stop.clear()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            rss = self.proc.memory_info().rss
-            if rss > self.peak:
-                self.peak = rss
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        assert self._t is not None
-        self._t.join()
-        rss = self.proc.memory_info().rss
-        self.peak = max(self.peak, rss)
-
-    @property
-    def extra_mb(self) -> float:
-        return (self.peak - self.base) / 1e6
-
-
-@dataclass
-class Series:
-    """One method's timings, one entry per repetition."""
-
-    seconds: list[float] = field(default_factory=list)
-    rss_mb: list[float] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class FloorRep:
-    """The in-memory floors of one repetition, on the state's own bytes (benchfloors.py)."""
-
-    memcpy: Timed
-    blake3_1t: Timed
-    blake3_auto: Timed
 
 
 @dataclass
@@ -190,37 +130,6 @@ def fsync_tree(root: str) -> None:
         for f in files:
             fsync_path(os.path.join(dirpath, f))
         fsync_path(dirpath)
-
-
-def drop_caches() -> str | None:
-    """sync + drop the page cache; returns an error string when not permitted."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return None
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
-def warm_files(paths: list[str]) -> None:
-    buf = bytearray(8 << 20)
-    mv = memoryview(buf)
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(mv):
-                pass
-
-
-def files_under(root: str) -> list[str]:
-    out = []
-    for dirpath, _dirs, files in os.walk(root):
-        out.extend(os.path.join(dirpath, f) for f in files)
-    return sorted(out)
-
-
-def shard_files(store_dir: str) -> list[str]:
-    return [p for p in files_under(os.path.join(store_dir, "cuts")) if p.endswith(".safetensors")]
 
 
 class CpuWatch:
@@ -609,45 +518,6 @@ class Bench:
 # report
 
 
-def _rotate(items: list, k: int) -> list:
-    """The list rotated by k places: each repetition starts with a different method."""
-    k %= len(items)
-    return items[k:] + items[:k]
-
-
-def gbps(nbytes: int, secs: list[float]) -> list[float]:
-    return [nbytes / GB / s for s in secs]
-
-
-def paired(a: list[float], b: list[float]) -> list[float]:
-    """Per-repetition ratio a/b."""
-    return [x / y for x, y in zip(a, b)]
-
-
-def _ordered(t: dict[str, Series]) -> list[tuple[str, Series]]:
-    """Checkpoint methods first, the floor rows last."""
-    return sorted(t.items(), key=lambda kv: kv[0].startswith("(floor)"))
-
-
-def machine_summary() -> list[str]:
-    import safetensors
-
-    return [
-        *machine_lines(REPO),
-        f"Python {platform.python_version()}, torch {torch.__version__}, safetensors {safetensors.__version__}, "
-        f"blake3 {getattr(blake3, '__version__', '?')}, psutil {psutil.__version__}, ckptstore {ckptstore.__version__}",
-        f"Host: {socket.gethostname()}",
-    ]
-
-
-def _secs(t: dict[str, Series], name: str) -> list[float]:
-    return t[name].seconds if name in t else []
-
-
-def _ratio(a: list[float], b: list[float], digits: int = 2, unit: str = "x") -> str:
-    return fmt(paired(a, b), digits) + unit if a and b else "n/a"
-
-
 def report_floors(b: Bench, J: Judge) -> list[str]:
     """The floors of this run, on the state's own bytes: memcpy, blake3, disk write, disk read."""
     fl, n = b.floors, b.nbytes
@@ -791,7 +661,7 @@ def report(b: Bench, cmd: str, started: str, wall: float, load_before: tuple, lo
     L += ["", "### Targets (from the issues), judged on the median of the paired per-repetition ratios", ""]
     L += J.summary()
     L += ["", "### Conditions", "", f"* Command: `{cmd}`", f"* Started {started}; the whole run took {wall:.0f} s."]
-    L += [f"* {line}" for line in machine_summary()]
+    L += [f"* {line}" for line in machine_summary(REPO)]
     L.append(f"* Load average (1/5/15 min) before: {'/'.join(f'{x:.2f}' for x in load_before)}; after: "
              f"{'/'.join(f'{x:.2f}' for x in load_after)}. Other processes used {fmt(b.foreign)} cores on "
              "average per repetition (from /proc/stat). The machine is shared with other engineers running "
