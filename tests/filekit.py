@@ -10,3 +10,56 @@ def flip_byte(path: str, offset: int) -> None:
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def snapshot(url: str) -> dict[str, str]:
+    """Every file under a store root (the writer lock's own records aside) and the blake3 of its bytes:
+    compared before and after, it proves nothing committed or foreign changed."""
+    import os
+
+    from ckptstore.hashing import digest
+
+    out = {}
+    for root, _dirs, files in os.walk(url):
+        for name in files:
+            if name in (".writer.lock", "WRITER.json"):
+                continue
+            p = os.path.join(root, name)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, url)] = digest(f.read())
+    return out
+
+
+def write_manifest(url: str, cut: str, data: bytes) -> None:
+    """Replaces a committed cut's manifest bytes; LATEST's manifest hash follows when LATEST names the
+    cut, so only the manifest's content is wrong (an old cut's manifest has no hash outside itself)."""
+    import json
+    import os
+
+    from ckptstore.hashing import digest
+
+    with open(os.path.join(url, "cuts", cut, "MANIFEST.json"), "wb") as f:
+        f.write(data)
+    latest = os.path.join(url, "LATEST")
+    doc = json.loads(open(latest, "rb").read())
+    if doc["cut"] == cut:
+        doc["manifest_blake3"] = digest(data)
+        with open(latest, "w") as f:
+            json.dump(doc, f)
+
+
+def rewrite_manifest(url: str, cut: str, mutate, *, indent: int | None = None) -> None:  # noqa: ANN001
+    """Applies ``mutate`` to a committed manifest's JSON (it may return raw bytes instead), written
+    compact (or with ``indent``), through :func:`write_manifest`."""
+    import json
+    import os
+
+    doc = json.loads(open(os.path.join(url, "cuts", cut, "MANIFEST.json"), "rb").read())
+    res = mutate(doc)
+    if isinstance(res, bytes):
+        data = res
+    elif indent is None:
+        data = json.dumps(doc, separators=(",", ":")).encode()
+    else:
+        data = json.dumps(doc, indent=indent).encode()
+    write_manifest(url, cut, data)

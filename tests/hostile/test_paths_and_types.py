@@ -28,7 +28,8 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore import CorruptCut, HostileInput, Store, hashing, layout
+from filekit import rewrite_manifest
+from ckptstore import CorruptCut, HostileInput, Store, layout
 from ckptstore.cli import main
 from ckptstore.writer import Checkpointer, WriterOptions
 from ckptstore.writer import shm
@@ -59,19 +60,6 @@ def snapshot(root: Path) -> dict[str, bytes | str | None]:
             elif name not in (layout.LOCK_FILE, layout.WRITER_FILE):
                 out[rel] = p.read_bytes()
     return out
-
-
-def rewrite_manifest(url: str, cut: str, mutate: Any) -> None:
-    """Applies ``mutate`` to a committed manifest and keeps LATEST's hash in step, so only the tree is wrong."""
-    path = os.path.join(url, "cuts", cut, layout.MANIFEST_FILE)
-    doc = json.loads(Path(path).read_bytes())
-    mutate(doc)
-    data = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
-    Path(path).write_bytes(data)
-    latest = json.loads(Path(url, layout.LATEST_FILE).read_bytes())
-    if latest["cut"] == cut:
-        latest["manifest_blake3"] = hashing.digest(data)
-        Path(url, layout.LATEST_FILE).write_bytes(json.dumps(latest).encode())
 
 
 # ------------------------------------------------------------------------------------------ item 1

@@ -9,7 +9,6 @@ the rest of the store keeps working, and that no committed or foreign file was t
 from __future__ import annotations
 
 import base64
-import json
 import os
 import shutil
 import struct
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 import ckptstore
+from filekit import rewrite_manifest, snapshot, write_manifest
 from ckptstore import Store, StoreOptions
 from ckptstore.cli import main
 from ckptstore.format import encode_header
@@ -88,44 +88,12 @@ def setup_zstd(_pristine_zstd: Setup, tmp_path) -> Setup:
     return Setup(url, _pristine_zstd.old, _pristine_zstd.new)
 
 
-def snapshot(url: str) -> dict[str, str]:
-    """Every file of the store (lock files aside) and the blake3 of its bytes."""
-    out = {}
-    for root, _dirs, files in os.walk(url):
-        for name in files:
-            if name in (".writer.lock", "WRITER.json"):
-                continue
-            p = os.path.join(root, name)
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, url)] = digest(f.read())
-    return out
-
-
 def assert_untouched(before: dict[str, str], url: str) -> None:
     """Nothing committed or foreign changed or went; the only new files are records of bad cuts (a
     fallback load writes one for each cut it skips)."""
     after = snapshot(url)
     assert {k: after.get(k) for k in before} == before
     assert all(k.startswith("bad" + os.sep) for k in set(after) - set(before)), sorted(set(after) - set(before))
-
-
-def write_manifest(s: Setup, cut: str, data: bytes) -> None:
-    """Replaces a manifest's bytes; LATEST's hash follows when it names the cut, so only the content is
-    wrong (an old cut's manifest has no hash outside itself)."""
-    with open(s.manifest(cut), "wb") as f:
-        f.write(data)
-    latest = os.path.join(s.url, "LATEST")
-    doc = json.loads(open(latest, "rb").read())
-    if doc["cut"] == cut:
-        doc["manifest_blake3"] = digest(data)
-        with open(latest, "w") as f:
-            json.dump(doc, f)
-
-
-def edit_manifest(s: Setup, cut: str, mutate: Callable[[dict[str, Any]], None]) -> None:
-    doc = json.loads(open(s.manifest(cut), "rb").read())
-    mutate(doc)
-    write_manifest(s, cut, json.dumps(doc, separators=(",", ":")).encode())
 
 
 def assert_names(exc: BaseException, s: Setup, cut: str, file: str) -> None:
@@ -160,7 +128,7 @@ def test_manifest_nested_100k_deep_in_an_old_cut_breaks_only_that_cut(setup: Set
     data = open(s.manifest(s.old), "rb").read().decode()
     poisoned = data.replace('"metadata":{}', '"metadata":{"x":%s}' % _deep(100_000), 1)
     assert poisoned != data
-    write_manifest(s, s.old, poisoned.encode())
+    write_manifest(s.url, s.old, poisoned.encode())
     before = snapshot(s.url)
 
     with pytest.raises(ManifestError) as ei:
@@ -231,7 +199,7 @@ def test_a_tree_nested_past_max_depth_is_corrupt_not_a_crash(setup: Setup) -> No
     deep: dict[str, Any] = {"t": "none"}
     for _ in range(MAX_DEPTH + 5):
         deep = {"t": "list", "items": [deep]}
-    edit_manifest(s, s.new, lambda doc: doc["tree"]["items"].append({"k": "deep", "v": deep}))
+    rewrite_manifest(s.url, s.new, lambda doc: doc["tree"]["items"].append({"k": "deep", "v": deep}))
     before = snapshot(s.url)
     with pytest.raises(CorruptCut) as ei:
         ckptstore.load(s.url, cut=s.new)
@@ -282,7 +250,7 @@ TREE_DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
 @pytest.mark.parametrize("damage", sorted(TREE_DAMAGE))
 def test_verify_refuses_every_node_load_would_refuse(setup: Setup, damage: str) -> None:
     s = setup
-    edit_manifest(s, s.new, TREE_DAMAGE[damage])
+    rewrite_manifest(s.url, s.new, TREE_DAMAGE[damage])
     before = snapshot(s.url)
     with Store.open(s.url, readonly=True) as ro:
         errors = ro.verify().errors
@@ -297,7 +265,7 @@ def test_verify_refuses_every_node_load_would_refuse(setup: Setup, damage: str) 
 
 def test_a_numpy_record_of_a_dtype_numpy_refuses_breaks_the_manifest(setup: Setup) -> None:
     s = setup
-    edit_manifest(s, s.new, _retype_np)
+    rewrite_manifest(s.url, s.new, _retype_np)
     before = snapshot(s.url)
     with pytest.raises(ManifestError) as ei:
         ckptstore.load(s.url, cut=s.new)
@@ -332,7 +300,7 @@ def _claim_huge(doc: dict[str, Any]) -> None:
 
 def test_a_claimed_2_44_byte_array_is_refused_before_allocation(setup: Setup) -> None:
     s = setup
-    edit_manifest(s, s.new, _claim_huge)
+    rewrite_manifest(s.url, s.new, _claim_huge)
     before = snapshot(s.url)
     with pytest.raises(TruncatedFile) as ei:
         ckptstore.load(s.url, cut=s.new)  # a raw RuntimeError from the allocator before
@@ -350,7 +318,7 @@ def test_raw_sizes_the_stored_bytes_cannot_hold_break_the_manifest(request, code
     def claim(doc: dict[str, Any]) -> None:
         doc["files"][0]["raw_nbytes"] = 2**44
 
-    edit_manifest(s, s.new, claim)
+    rewrite_manifest(s.url, s.new, claim)
     before = snapshot(s.url)
     with pytest.raises(ManifestError) as ei:
         ckptstore.load(s.url, cut=s.new)
@@ -391,7 +359,7 @@ def _record_stored(s: Setup, data: bytes) -> None:
     def fix(doc: dict[str, Any]) -> None:
         doc["files"][0]["nbytes"], doc["files"][0]["blake3"] = len(data), digest(data)
 
-    edit_manifest(s, s.new, fix)
+    rewrite_manifest(s.url, s.new, fix)
 
 
 def test_a_zstd_bomb_past_the_recorded_raw_length_is_refused(setup_zstd: Setup) -> None:
@@ -440,7 +408,7 @@ def test_verify_streams_a_zstd_array_through_a_bounded_buffer(setup_zstd: Setup)
         doc["files"][0]["raw_nbytes"] = len(header) + size
         doc["tree"] = {"t": "dict", "ordered": False, "items": [{"k": "w", "v": {"t": "tensor", "name": "w"}}]}
 
-    edit_manifest(s, s.new, claim)
+    rewrite_manifest(s.url, s.new, claim)
     before = snapshot(s.url)
     res = subprocess.run([sys.executable, "-c", _VERIFY_RSS, s.url], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -471,7 +439,7 @@ def test_duplicate_json_keys_in_a_manifest_break_the_cut(setup: Setup, where: st
     data = open(s.manifest(s.new), "rb").read().decode()
     crafted = DUPLICATES[where](data)
     assert crafted != data
-    write_manifest(s, s.new, crafted.encode())
+    write_manifest(s.url, s.new, crafted.encode())
     before = snapshot(s.url)
     with pytest.raises(ManifestError) as ei:
         ckptstore.load(s.url, cut=s.new)
@@ -486,5 +454,5 @@ def test_duplicate_json_keys_in_a_manifest_break_the_cut(setup: Setup, where: st
 def test_a_manifest_without_duplicates_still_takes_the_fast_path(setup: Setup) -> None:
     """Control: keys inside strings (escaped quotes, a colon) are not mistaken for duplicates."""
     s = setup
-    edit_manifest(s, s.new, lambda doc: doc["metadata"].update({'a\\":"b': 'x":"y', "q": ':"', 'e\\': 1}))
+    rewrite_manifest(s.url, s.new, lambda doc: doc["metadata"].update({'a\\":"b': 'x":"y', "q": ':"', 'e\\': 1}))
     assert ckptstore.load(s.url, cut=s.new)["step"] == 2

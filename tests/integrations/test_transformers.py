@@ -14,8 +14,6 @@ reference's model parameters, optimizer and scheduler state, RNG states and per-
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import queue
@@ -34,7 +32,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # the Trainer needs it on torch (transformers[torch])
 
 from ckptstore import Store, load  # noqa: E402
-from ckptstore.cli import main  # noqa: E402
+from statekit import assert_bitwise, resume_info  # noqa: E402
 
 TRAINER = Path(__file__).with_name("hf_trainer.py")
 MAX_STEPS, EVERY = 16, 4
@@ -137,19 +135,11 @@ def _run_all(root: Path, server: Server) -> dict[str, Any]:
         _wait_gone(kill[0]["writer_pid"])  # a rescue in progress holds the writer lock until it has committed
         with Store.open(url[k], readonly=True) as s:
             after_kill[k] = {"latest": s.latest(), "cuts": s.cuts(), "verify": s.verify()}
-        after_kill[k]["resume_info"] = resume_info(url[k])
+        code, after_kill[k]["resume_info"] = resume_info(url[k])
+        assert code == 0, after_kill[k]["resume_info"]
     resumed = {k: Run(f"{k}-resumed", url[k], str(root / f"{k}-resumed.pt")) for k in killed}
     server.phase(*resumed.values())
     return {"ref": ref, "killed": killed, "after_kill": after_kill, "resumed": resumed, "url": url}
-
-
-def resume_info(url: str) -> dict[str, Any]:
-    """``ckptstore resume-info URL --json``, in-process; asserts exit 0."""
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = main(["resume-info", url, "--json"])
-    assert code == 0, buf.getvalue()
-    return json.loads(buf.getvalue())
 
 
 def _wait_gone(pid: int) -> None:
@@ -176,7 +166,8 @@ def test_reference_run_cuts_periodically_and_ends_with_a_final_cut_of_its_last_s
         cuts = s.cuts()
     # busy="wait": no periodic cut is skipped; the last step is a final cut, never a periodic one too.
     assert [(c.step, c.final) for c in cuts] == [(4, False), (8, False), (12, False), (16, True)]
-    doc = resume_info(runs["url"]["ref"])
+    code, doc = resume_info(runs["url"]["ref"])
+    assert code == 0, doc
     assert doc["resume_step"] == MAX_STEPS and doc["finished"] is True and doc["healthy"] is True
 
 
@@ -212,7 +203,8 @@ def test_resumed_run_starts_from_the_latest_cut_and_ends_finished(runs, kind):
     with Store.open(runs["url"][kind], readonly=True) as s:
         latest, cuts = s.latest(), s.cuts()
     assert latest.step == MAX_STEPS and latest.final and [c.step for c in cuts if c.final] == [MAX_STEPS]
-    doc = resume_info(runs["url"][kind])  # the step where the run ended: never MAX_STEPS + 1
+    code, doc = resume_info(runs["url"][kind])  # the step where the run ended: never MAX_STEPS + 1
+    assert code == 0, doc
     assert doc["resume_step"] == MAX_STEPS and doc["finished"] is True and doc["healthy"] is True
 
 
@@ -234,28 +226,6 @@ def test_the_resumed_part_changes_the_state(runs):
     ref = runs["ref"].end_state()
     assert at_cut["step"] == 8
     assert not all(torch.equal(v, ref["model"][k]) for k, v in at_cut["model"].items())
-
-
-def assert_bitwise(a: Any, b: Any, where: str) -> None:
-    """Same structure and types, tensors by dtype, shape and torch.equal, arrays by array_equal,
-    everything else by == (floats included: bit-identical floats compare equal)."""
-    import numpy as np
-
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where}: tensors differ"
-    elif isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} vs {b!r:.80}"
-        for k in a:
-            assert_bitwise(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise(x, y, f"{where}/{i}")
-    else:
-        assert type(a) is type(b) and a == b, f"{where}: {a!r} vs {b!r}"
 
 
 def test_resume_dir_is_none_without_a_cut_and_refuses_foreign_cuts_and_busy_dirs(tmp_path):

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptstore
-from filekit import flip_byte
+import filekit
+from filekit import flip_byte, snapshot
 from ckptstore import Store, StoreOptions
 from ckptstore.hashing import digest
 from ckptstore.store import open_for_repair
@@ -86,19 +87,6 @@ def setup(_pristine: Setup, store_url: str) -> Setup:
     return _copy(_pristine, store_url)
 
 
-def snapshot(url: str) -> dict[str, str]:
-    """Every file under the store root (lock files aside) and the blake3 of its bytes."""
-    out = {}
-    for root, _dirs, files in os.walk(url):
-        for name in files:
-            if name in (".writer.lock", "WRITER.json"):
-                continue
-            p = os.path.join(root, name)
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, url)] = digest(f.read())
-    return out
-
-
 def assert_names(exc: BaseException, url: str, cut: str | None, file: str | None) -> None:
     assert isinstance(exc, ckptstore.CkptStoreError), type(exc)
     text = str(exc)
@@ -125,23 +113,10 @@ def _write(path: str, data: bytes) -> None:
         f.write(data)
 
 
-def _update_latest(url: str, cut: str, manifest_bytes: bytes) -> None:
-    latest = os.path.join(url, "LATEST")
-    doc = json.loads(open(latest, "rb").read())
-    if doc["cut"] == cut:
-        doc["manifest_blake3"] = digest(manifest_bytes)
-        _write(latest, json.dumps(doc).encode())
-
-
 def rewrite_manifest(s: Setup, cut: str, mutate: Callable[[dict[str, Any]], Any]) -> None:
     """Applies ``mutate`` to the manifest JSON (it may return raw bytes instead) and keeps LATEST's
     hash in step with the new bytes, so only the manifest's own content is wrong."""
-    path = s.manifest_path(cut)
-    doc = json.loads(open(path, "rb").read())
-    res = mutate(doc)
-    data = res if isinstance(res, bytes) else json.dumps(doc, indent=1).encode()
-    _write(path, data)
-    _update_latest(s.url, cut, data)
+    filekit.rewrite_manifest(s.url, cut, mutate, indent=1)
 
 
 def _rehash_as_laid_out(doc: dict[str, Any], name: str, data: bytes) -> str:

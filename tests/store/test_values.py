@@ -24,8 +24,8 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import ckptstore
+from filekit import rewrite_manifest
 from ckptstore import CorruptCut, Store, UnsupportedValue, UsageError
-from ckptstore.hashing import digest
 from ckptstore.tree import flatten
 
 HERE = __name__  # the module part of the qualified names below
@@ -179,7 +179,7 @@ def test_a_windows_path_loads_as_its_pure_class_on_posix(store: Store) -> None:
         pytest.skip("POSIX only")
     store.save({"p": pathlib.PureWindowsPath("C:/x")}, step=1)
     # What a save on Windows writes for Path("C:/x").
-    _rewrite(store.url, store.manifest().cut, lambda doc: doc["tree"]["items"][0]["v"].update(type="WindowsPath"))
+    rewrite_manifest(store.url, store.manifest().cut, lambda doc: doc["tree"]["items"][0]["v"].update(type="WindowsPath"))
     assert ckptstore.load(store.url)["p"] == pathlib.PureWindowsPath("C:/x")
     assert type(ckptstore.load(store.url)["p"]) is pathlib.PureWindowsPath
 
@@ -235,7 +235,7 @@ def test_a_class_named_in_the_store_is_never_imported(store: Store, tmp_path, mo
         for item in doc["tree"]["items"]:
             item["v"]["type"] = "canarymod.Evil"
 
-    _rewrite(store.url, m.cut, plant)
+    rewrite_manifest(store.url, m.cut, plant)
     with Store.open(store.url, readonly=True) as ro:
         assert ro.verify().ok
     out = ckptstore.load(store.url, allowed_types=ALLOWED)
@@ -312,22 +312,6 @@ def test_a_tensor_inside_a_set_element_is_refused(store: Store) -> None:
 
 
 # ---------------------------------------------------------------------- verify refuses what load does
-def _rewrite(url: str, cut: str, mutate: Callable[[dict[str, Any]], None]) -> None:
-    """Edits a committed manifest by hand, LATEST's manifest hash kept in step: only the tree is wrong."""
-    path = os.path.join(url, "cuts", cut, "MANIFEST.json")
-    doc = json.loads(open(path, "rb").read())
-    mutate(doc)
-    data = json.dumps(doc, separators=(",", ":")).encode()
-    with open(path, "wb") as f:
-        f.write(data)
-    latest = os.path.join(url, "LATEST")
-    pointer = json.loads(open(latest, "rb").read())
-    if pointer["cut"] == cut:
-        pointer["manifest_blake3"] = digest(data)
-        with open(latest, "w") as f:
-            json.dump(pointer, f)
-
-
 def _set(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return lambda node: node.__setitem__(key, value)
 
@@ -375,7 +359,7 @@ def test_verify_refuses_a_malformed_node_exactly_where_a_load_raises(tmp_path) -
             cuts.append(s.save({"v": value, "w": torch.ones(2)}, step=step).id)
         assert s.verify().ok  # every kind, before it is broken
     for cut, (_, breaks) in zip(cuts, CRAFTED):
-        _rewrite(url, cut, lambda doc: breaks(doc["tree"]["items"][0]["v"]))
+        rewrite_manifest(url, cut, lambda doc: breaks(doc["tree"]["items"][0]["v"]))
     with Store.open(url, readonly=True) as ro:
         report = ro.verify()
     bad = {f.cut for f in report.findings if f.kind == "tree-invalid"}
