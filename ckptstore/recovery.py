@@ -13,6 +13,7 @@ import errno
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import hashing, layout
 from .errors import CkptStoreError, CorruptCut, DataError, ManifestError, StorageError
@@ -172,7 +173,18 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
                 target[cut] = model.from_bytes(data, cut=cut, path=rel, **where)  # type: ignore[attr-defined]
             except CkptStoreError:
                 target[cut] = None  # unreadable: still ours by name, so it is handled, not ignored
-    for entry in storage.list_dir(layout.LABELS_DIR) if layout.LABELS_DIR in present else ():
+    if layout.LABELS_DIR in present:
+        _scan_labels(storage, st, where)
+    if cache is not None:
+        cache.clear()
+        cache.update(seen)
+    return st
+
+
+def _scan_labels(storage: Storage, st: DiskState, where: dict[str, Any]) -> None:
+    """Reads ``labels/`` into ``st``: each label file must parse and hash to its own name; one that does
+    not is a broken label (reported, removed by gc, never followed)."""
+    for entry in storage.list_dir(layout.LABELS_DIR):
         rel = f"{layout.LABELS_DIR}/{entry.name}"
         if layout.is_tmp_name(entry.name) and not entry.is_dir:
             st.tmp_files.append(rel)
@@ -191,10 +203,6 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
             st.labels[lab.label] = lab
         except CkptStoreError:
             st.broken_labels.append(rel)  # ours by name: reported (and removed by gc), never followed
-    if cache is not None:
-        cache.clear()
-        cache.update(seen)
-    return st
 
 
 #: errnos that say "this name is not a regular file" (a directory, a FIFO, a symlink planted where the store
