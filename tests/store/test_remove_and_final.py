@@ -123,3 +123,35 @@ def test_a_symlinked_final_directory_is_refused(tmp_path):
     with pytest.raises(ckptstore.HostileInput, match="final"):
         ckptstore.Store.open(url).close()
     assert (outside / "step-000000000002-0badc0de.json").read_text() == "{}"
+
+
+def test_labels_move_atomically_go_with_their_cut_and_stale_or_broken_ones_are_collected(tmp_path, capsys):
+    from ckptstore.labels import Label, label_path
+
+    url = _store(tmp_path)
+    with ckptstore.Store.open(url) as s:
+        one, two, three = (c.id for c in s.cuts())
+        s.label("best.ckpt", 1)
+        s.label("last.ckpt")
+        s.label("best.ckpt", 2)  # moved: one file replaced, never two labels of one name
+        assert s.labels() == {"best.ckpt": two, "last.ckpt": three}
+        assert len(os.listdir(os.path.join(url, layout.LABELS_DIR))) == 2
+        s.remove(2)  # its label goes with it
+        assert s.labels() == {"last.ckpt": three}
+        assert s.unlabel("last.ckpt") == three and s.unlabel("last.ckpt") is None
+        assert [c.id for c in s.cuts()] == [one, three]  # unlabel never removes a cut
+    # a label of a cut that is gone (a crash between a remove and its labels) and a file whose label does
+    # not hash to its name: both reported and collected, never followed
+    stale = Label(label="ghost", cut="step-000000000009-00000000", step=9, labeled_at="x")
+    with open(os.path.join(url, label_path("ghost")), "wb") as f:
+        f.write(stale.to_bytes())
+    forged = Label(label="forged", cut=one, step=1, labeled_at="x")
+    with open(os.path.join(url, label_path("not-forged")), "wb") as f:
+        f.write(forged.to_bytes())
+    with ckptstore.Store.open(url, readonly=True) as s:
+        assert s.labels() == {}
+    capsys.readouterr()
+    assert cli(["gc", url, "--json"]) == 0
+    kinds = sorted(r["kind"] for r in json.loads(capsys.readouterr().out)["removed"])
+    assert kinds == ["broken-label", "stale-label"] and os.listdir(os.path.join(url, layout.LABELS_DIR)) == []
+    assert _steps(url) == [1, 3]
