@@ -190,19 +190,28 @@ def cmd_show(args: argparse.Namespace) -> int:
         doc: dict[str, Any] = {**info.to_json(), "latest": cls.latest is not None and cls.latest.cut == m.cut,
                                "writer": m.writer.model_dump(), "metadata": m.metadata,
                                "ranks": counts, "rank": args.rank,
-                               "files": [f.model_dump() for f in part.files]}
+                               "files": [f.model_dump() for f in part.files],
+                               "attached": [a.model_dump() for a in part.attached]}
         lines = [
             f"cut       {m.cut}", f"step      {m.step}", f"final     {'yes' if info.final else 'no'}",
             f"latest    {'yes' if doc['latest'] else 'no'}", f"tags      {', '.join(m.tags) or '-'}",
-            f"size      {human_bytes(info.nbytes)} in {len(m.files)} file(s), {len(m.tensors)} tensor(s)",
+            f"size      {human_bytes(info.nbytes)} in {len(m.files)} file(s), {len(m.tensors) - len(m.attached)} "
+            f"tensor(s)" + (f" and {len(m.attached)} attached file(s)" if m.attached else ""),
             f"ranks     {m.world_size}",
             *[f"{'rank ' + str(c['rank']):<9} {human_bytes(c['nbytes'])} in {c['files']} file(s), "
               f"{c['tensors']} tensor(s)" for c in counts if m.world_size > 1 and args.rank in (None, c["rank"])],
             f"created   {m.created_at}", f"writer    {m.writer.host} pid {m.writer.pid} ({m.writer.mode}, "
             f"ckptstore {m.writer.ckptstore_version})",
         ]
+        if m.attached:
+            whose = "" if args.rank is None else f" (rank {args.rank}: {len(part.attached)})"
+            lines.append(f"attached  {len(m.attached)} file(s), {human_bytes(sum(a.nbytes for a in m.attached))}"
+                         f"{whose}: restore with `ckptstore restore-files`")
         if m.metadata:
             lines.append(f"metadata  {json.dumps(m.metadata)}")
+        if args.files and part.attached:
+            lines.append("")
+            lines.append(table(["rank", "path", "bytes"], [[a.rank, a.path, a.nbytes] for a in part.attached]))
         if args.tensors:
             ranks = _file_ranks(m)
             tensors = sorted(part.tensors, key=lambda t: (ranks[t.file], t.name))
@@ -406,6 +415,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+def cmd_restore_files(args: argparse.Namespace) -> int:
+    with Store.open(args.url, readonly=True) as store:
+        m = store.manifest(_selector(args.cut))
+        _cli_rank_part(m, args.rank, store.url, "restore-files")
+        written = store.restore_files(m.cut, to=args.to, rank=args.rank, overwrite=not args.no_overwrite)
+        doc = {"cut": m.cut, "step": m.step, "rank": args.rank, "to": args.to, "written": written}
+        emit(args, doc, "\n".join([*written, f"restored {len(written)} file(s) of cut {m.cut} under {args.to}"]))
+        return EXIT_OK
+
+
 # ------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptstore", description="Audit, list and maintain ckptstore stores.")
@@ -425,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("cut", nargs="?", default=None, help="'latest', a cut id or a step")
     sp.add_argument("--tensors", action="store_true", help="list the cut's tensors (with their rank)")
     sp.add_argument("--rank", type=int, default=None, help="list only this rank's files and tensors")
+    sp.add_argument("--files", action="store_true", help="list the files attached to the cut (files=)")
     sp = add("verify", cmd_verify, "re-hash every committed cut and report findings (exit 1 on problems)")
     sp.add_argument("--cut", default=None, help="verify only this cut ('latest', an id or a step)")
     sp = add("prune", cmd_prune, "remove cuts a retention policy does not keep")
@@ -460,6 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--allow-pickle", action="store_true",
                     help="let the read unpickle values the cut holds (the input; only for cuts you trust)")
     sp.add_argument("--force", action="store_true", help="replace the file at --to if it exists")
+    sp = add("restore-files", cmd_restore_files, "put the files attached to a cut (files=) back under a directory")
+    sp.add_argument("cut", nargs="?", default=None, help="'latest' (default), a cut id or a step")
+    sp.add_argument("--to", required=True, help="directory to restore into (created if missing)")
+    sp.add_argument("--rank", type=int, default=None, help="this rank's files (required for cuts of several ranks)")
+    sp.add_argument("--no-overwrite", action="store_true", help="refuse if any file to restore exists")
     return p
 
 

@@ -12,6 +12,7 @@ import sys
 from typing import Any, Sequence
 
 from .arrays import empty_for, finish_tensor
+from .attached import AttachedFile
 from .errors import CorruptCut, UsageError
 from .storage import Storage
 from .manifest import Manifest, TensorRecord
@@ -53,8 +54,9 @@ def load_manifest(
     index = m.tensor_index()
     if keys is None:
         # A whole load reads every array; a tree naming one the manifest lacks fails in leaf() below
-        # (walking a tree of 40,000 leaves twice cost 6% of such a load).
-        needed = set(index)
+        # (walking a tree of 40,000 leaves twice cost 6% of such a load). Attached files are not state:
+        # their bytes are checked through a bounded buffer and dropped (``read_attached`` returns them).
+        needed = set(index) - {a.array for a in m.attached} if m.attached else set(index)
     else:
         needed = set(leaf_names(tree))
         unknown = needed - set(index)
@@ -111,6 +113,29 @@ def load_manifest(
         return finished[key]
 
     return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where, records=index, allowed_types=allowed)
+
+
+def read_attached(storage: Storage, m: Manifest, *, verify: bool = True) -> list[tuple[AttachedFile, Any]]:
+    """The attached files of one rank's part ``m`` with their bytes (numpy ``uint8`` arrays), in manifest
+    order, each hashed while it is read like any array. Shards holding none are not opened."""
+    where = {"store": storage.url, "cut": m.cut}
+    wanted = {a.array for a in m.attached}
+    objs: dict[str, Any] = {}
+    for rec in m.files:
+        in_file = [t for t in m.tensors if t.file == rec.name]
+        if not any(t.name in wanted for t in in_file):
+            continue
+
+        def dest(t: TensorRecord, path: str = f"cuts/{m.cut}/{rec.name}") -> memoryview | None:
+            if t.name in wanted:
+                obj, view = _allocate(t, {**where, "path": path})
+                objs[t.name] = obj
+                return view
+            return None
+
+        read_shard_into(storage, m.cut, rec, in_file, dest, format_version=m.format_version, verify=verify,
+                        reuses_buffers=True)
+    return [(a, objs[a.array]) for a in m.attached]
 
 
 def _allocate(t: TensorRecord, where: dict[str, Any]) -> tuple[Any, memoryview]:

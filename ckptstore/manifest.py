@@ -21,6 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from . import layout
+from .attached import AttachedFile, check_listing
 from .format import ST_ITEMSIZE, TORCH_DTYPES, numpy_itemsize
 from .models import CutId, FileName, StrictModel, json_key_count
 
@@ -134,6 +135,22 @@ def _check_arrays(files: list[FileRecord], tensors: list[TensorRecord]) -> None:
         check_tensor(t, itemsizes)
 
 
+def _check_attached(attached: list[AttachedFile], files: list[FileRecord], tensors: list[TensorRecord]) -> None:
+    """Every attached file is a 1-D ``uint8`` array of its rank with its size; paths are restorable."""
+    if not attached:
+        return
+    check_listing(attached)
+    rank_of = {f.name: f.rank for f in files}
+    arrays = {(rank_of.get(t.file), t.name): t for t in tensors}
+    for a in attached:
+        t = arrays.get((a.rank, a.array))
+        if t is None:
+            raise ValueError(f"attached file {a.path!r} has no array {a.array!r}" + (f" in rank {a.rank}" if a.rank else ""))
+        if (t.kind, t.dtype, t.shape) != ("numpy", "|u1", [a.nbytes]):
+            raise ValueError(f"attached file {a.path!r}: array {a.array!r} is {t.kind} {t.dtype}{t.shape}, "
+                             f"not numpy |u1[{a.nbytes}]")
+
+
 #: The manifest format of a cut of several ranks.
 RANKS_FORMAT_VERSION = 3
 
@@ -161,6 +178,9 @@ class Manifest(StrictModel):
     tensors: list[TensorRecord]
     tree: dict[str, Any]
     pickled: bool = False
+    #: Files that belong to the cut (``files=``; ckptstore.attached). Written only when there are some,
+    #: so a cut without files reads in versions that predate the field.
+    attached: list[AttachedFile] = Field(default_factory=list)
 
     @field_validator("created_at")
     @classmethod
@@ -185,6 +205,10 @@ class Manifest(StrictModel):
             if f.rank >= self.world_size:
                 raise ValueError(f"file {f.name!r} belongs to rank {f.rank}, outside world size {self.world_size}")
         _check_arrays(self.files, self.tensors)
+        for a in self.attached:
+            if a.rank >= self.world_size:
+                raise ValueError(f"attached file {a.path!r} belongs to rank {a.rank}, outside world size {self.world_size}")
+        _check_attached(self.attached, self.files, self.tensors)
         return self
 
     def for_rank(self, rank: int) -> "Manifest":
@@ -198,7 +222,9 @@ class Manifest(StrictModel):
         files = [f for f in self.files if f.rank == rank]
         names = {f.name for f in files}
         tensors = [t for t in self.tensors if t.file in names]
-        return self.model_copy(update={"files": files, "tensors": tensors, "tree": self.tree["ranks"][rank]})
+        attached = [a for a in self.attached if a.rank == rank]
+        return self.model_copy(update={"files": files, "tensors": tensors, "tree": self.tree["ranks"][rank],
+                                       "attached": attached})
 
     def rank_trees(self) -> list[tuple[int, dict[str, Any]]]:
         """(rank, tree) of every rank."""
@@ -249,6 +275,7 @@ class RankRecord(StrictModel):
     tensors: list[TensorRecord]
     tree: dict[str, Any]
     pickled: bool = False
+    attached: list[AttachedFile] = Field(default_factory=list)
 
     def to_bytes(self) -> bytes:
         doc = _document(self, {"tree": self.tree})  # a deep tree, as in Manifest.to_bytes
@@ -265,6 +292,9 @@ class RankRecord(StrictModel):
             if f.rank != self.rank:
                 raise ValueError(f"file {f.name!r} belongs to rank {f.rank}, not {self.rank}")
         _check_arrays(self.files, self.tensors)
+        if any(a.rank != self.rank for a in self.attached):
+            raise ValueError(f"an attached file of rank {self.rank}'s record names another rank")
+        _check_attached(self.attached, self.files, self.tensors)
         return self
 
 
@@ -280,7 +310,10 @@ def _key_count(model: "Manifest | RankRecord") -> int:
 def _document(model: StrictModel, raw: dict[str, Any]) -> dict[str, Any]:
     """The JSON document of ``model`` in field order, with the fields in ``raw`` taken as they are."""
     dumped = model.model_dump(mode="json", exclude=set(raw))
-    return {k: raw[k] if k in raw else dumped[k] for k in type(model).model_fields}
+    doc = {k: raw[k] if k in raw else dumped[k] for k in type(model).model_fields}
+    if not doc.get("attached", True):
+        del doc["attached"]  # readers that predate attached files still read a cut without any
+    return doc
 
 
 __all__ = ["Manifest", "RankRecord", "RANKS_FORMAT_VERSION", "FileRecord", "TensorRecord", "WriterIdentity", "ST_ITEMSIZE", "check_tensor"]

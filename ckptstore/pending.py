@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import hashing, layout
 from .arrays import ArrayItem
+from .attached import AttachedFile
 from .errors import CkptStoreError, CorruptCut, StorageError, StoreLocked, UsageError
 from .gcpause import pausing
 from .ident import host_identity
@@ -58,6 +59,7 @@ class PendingCut:
         self.state = OPEN
         self._files: dict[int, tuple[list[FileRecord], list[TensorRecord]]] = {}
         self._trees: dict[int, tuple[dict[str, Any], bool]] = {}
+        self._attached: dict[int, list[AttachedFile]] = {}
         self._on_end = on_end
 
     def __repr__(self) -> str:
@@ -116,6 +118,7 @@ class PendingCut:
                                  store=self._protocol.url, cut=self.id, path=layout.rank_record_path(self.id, rank))
             self._files[rank] = (list(rec.files), list(rec.tensors))
             self._trees[rank] = (rec.tree, rec.pickled)
+            self._attached[rank] = list(rec.attached)
 
     def discard_files(self) -> None:
         """Drops the files written so far (a writer process died mid-cut), keeping the cut marked, so
@@ -133,11 +136,13 @@ class PendingCut:
     # outcome -----------------------------------------------------------------------------------------
     @pausing
     def commit(self, *, tree: dict[str, Any] | None = None, pickled: bool = False, tags: Sequence[str] = (),
-               final: bool = False, metadata: dict[str, Any] | None = None, mode: str = "sync") -> CutInfo:
+               final: bool = False, metadata: dict[str, Any] | None = None, mode: str = "sync",
+               attached: Sequence[AttachedFile] = ()) -> CutInfo:
         """Publishes the manifest and moves LATEST: returns once the cut is committed durably. On a
         failure before the commit point the cut is abandoned; when LATEST may have moved the cut is
         left to recovery (state "unknown"); either way the error is raised. A cut of one rank passes
-        its ``tree``; a cut of several takes every rank's tree from the collected records."""
+        its ``tree`` and ``attached`` files; a cut of several takes every rank's from the collected
+        records."""
         self._require(WRITTEN, "commit")
         files = [f for rank in sorted(self._files) for f in self._files[rank][0]]
         tensors = [t for rank in sorted(self._files) for t in self._files[rank][1]]
@@ -149,13 +154,15 @@ class PendingCut:
                                  "rank records", store=self._protocol.url, cut=self.id)
             tree = {"t": "ranks", "ranks": [self._trees[r][0] for r in range(self.world_size)]}
             pickled = any(p for _, p in self._trees.values())
+            attached = [a for r in range(self.world_size) for a in self._attached.get(r, [])]
             extra = {"format_version": RANKS_FORMAT_VERSION, "world_size": self.world_size}
         elif tree is None:
             raise UsageError(f"committing cut {self.id} needs its tree", store=self._protocol.url, cut=self.id)
         manifest = Manifest(
             cut=self.id, step=self.step, tags=list(tags), final=final, created_at=now_iso(),
             writer=WriterIdentity(host=ident.host, pid=ident.pid, ckptstore_version=__version__, mode=mode),
-            metadata=dict(metadata or {}), files=files, tensors=tensors, tree=tree, pickled=pickled, **extra,
+            metadata=dict(metadata or {}), files=files, tensors=tensors, tree=tree, pickled=pickled,
+            attached=list(attached), **extra,
         )
         self._move(COMMITTING)
         try:
@@ -234,7 +241,7 @@ class RankPart:
         self._protocol.discard_rank_files(self.id, self.rank)
 
     def publish(self, files: list[FileRecord], tensors: list[TensorRecord], *, tree: dict[str, Any],
-                pickled: bool, mode: str = "sync") -> RankRecord:
+                pickled: bool, mode: str = "sync", attached: Sequence[AttachedFile] = ()) -> RankRecord:
         """Makes the names of this rank's (fsynced) files durable, then writes its record durably."""
         if self.published:
             raise UsageError(f"rank {self.rank} already published its part of cut {self.id}", cut=self.id)
@@ -242,6 +249,7 @@ class RankPart:
         ident = host_identity()
         record = RankRecord(cut=self.id, step=self.step, rank=self.rank, world_size=self.world_size,
                             created_at=now_iso(), files=list(files), tensors=list(tensors), tree=tree, pickled=pickled,
+                            attached=[a.model_copy(update={"rank": self.rank}) for a in attached],
                             writer=WriterIdentity(host=ident.host, pid=ident.pid, ckptstore_version=__version__, mode=mode))
         self._protocol.publish_rank(record)
         self.published = True

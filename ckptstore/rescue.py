@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from . import layout
 from .errors import StorageError
+from .attached import AttachedFile
 from .manifest import FileRecord, TensorRecord
 from .pending import PendingCut, RankPart
 from .protocol import CommitProtocol
@@ -28,14 +29,15 @@ Log = Callable[[str], None]
 def finish_orphaned_cut(storage: Storage, guard: Callable[[], None], *, cut: str, step: int, rank: int,
                         files: list[FileRecord], tensors: list[TensorRecord], tree: dict[str, Any], pickled: bool,
                         tags: list[str], final: bool, metadata: dict[str, Any], mode: str, world_size: int,
-                        rank_timeout: float, log: Log = lambda _m: None) -> str:
+                        rank_timeout: float, attached: list[AttachedFile] | None = None,
+                        log: Log = lambda _m: None) -> str:
     """Finishes ``cut`` from the files this process wrote; returns "committed", "published" (a rank
     other than 0 published its record) or "abandoned". Raises what the storage raises."""
     protocol = CommitProtocol(storage, guard=guard)
     writer = f"rescue:{mode}"
     if world_size > 1:
         RankPart(protocol, storage, cut, step, rank, world_size).publish(files, tensors, tree=tree, pickled=pickled,
-                                                                         mode=writer)
+                                                                         mode=writer, attached=attached or [])
         if rank != 0:
             return "published"
     pending = PendingCut(protocol, storage, cut, step, writer, on_end=lambda _p: None, world_size=world_size)
@@ -74,7 +76,7 @@ def finish_orphaned_cut(storage: Storage, guard: Callable[[], None], *, cut: str
     pending.files_durable()
     try:
         pending.commit(tree=tree if world_size == 1 else None, pickled=pickled, tags=tags, final=final,
-                       metadata=metadata, mode=writer)
+                       metadata=metadata, mode=writer, attached=(attached or []) if world_size == 1 else ())
     except StorageError:
         if pending.state == "unknown":
             return "unknown"

@@ -10,6 +10,7 @@ from there.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -87,6 +88,7 @@ def restore(
     group: Any = None,
     rank_timeout: float | None = None,
     allowed_types: Sequence[type] | None = None,
+    files_to: str | os.PathLike[str] | None = None,
 ) -> Resumed | None:
     """Loads the cut to resume from into the live objects; None for an empty store.
 
@@ -101,6 +103,9 @@ def restore(
 
     ``allowed_types`` names the user classes (enums, dataclasses, namedtuples) the state's values may
     come back as (see :func:`ckptstore.load`).
+
+    ``files_to``: put the files attached to the cut (``files=``) back under this directory
+    (``Store.restore_files``: this rank's, replacing what is there), after the state was restored.
     """
     own = isinstance(url_or_store, str)
     store = Store.open(url_or_store, create=True, group=group, rank_timeout=rank_timeout) if own else url_or_store  # type: ignore[arg-type]
@@ -112,8 +117,8 @@ def restore(
             info, skipped = _choose(store, fallback)
             if info is None:
                 return None
-            return _restore_part(store, info, skipped, None, objs, map_location, rng, allowed_types)
-        return _restore_ranks(store, fallback, objs, map_location, rng, allowed_types)
+            return _restore_part(store, info, skipped, None, objs, map_location, rng, allowed_types, files_to)
+        return _restore_ranks(store, fallback, objs, map_location, rng, allowed_types, files_to)
     finally:
         if own:
             store.close()
@@ -134,7 +139,7 @@ def _choose(store: Store, fallback: bool) -> tuple[CutInfo | None, dict[str, str
 
 
 def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_location: Any, rng: bool,
-                   allowed_types: Sequence[type] | None) -> Resumed | None:
+                   allowed_types: Sequence[type] | None, files_to: str | os.PathLike[str] | None) -> Resumed | None:
     ranks = store.ranks
     assert ranks is not None
     where: dict[str, Any] = {"store": store.url}
@@ -162,7 +167,7 @@ def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_locat
                              "restore needs the world size of the save (resharding needs the DCP reader)",
                              store=store.url, cut=m.cut)
         resumed = _restore_part(store, CutInfo.from_manifest(m), dict(chosen["skipped"]), ranks.rank, objs,
-                                map_location, rng, allowed_types)
+                                map_location, rng, allowed_types, files_to)
     except BaseException as exc:  # noqa: BLE001
         err = exc
     msgs = ranks.exchange("restore-done", outcome(err), **where, cut=chosen["cut"])
@@ -173,7 +178,8 @@ def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_locat
 
 
 def _restore_part(store: Store, info: CutInfo, skipped: dict[str, str], rank: int | None, objs: dict[str, Any],
-                  map_location: Any, rng: bool, allowed_types: Sequence[type] | None) -> Resumed:
+                  map_location: Any, rng: bool, allowed_types: Sequence[type] | None,
+                  files_to: str | os.PathLike[str] | None = None) -> Resumed:
     from .dtensors import node_at, restore_into
 
     part = store.manifest(info.id).for_rank(rank or 0)
@@ -189,5 +195,7 @@ def _restore_part(store: Store, info: CutInfo, skipped: dict[str, str], rank: in
                 obj.load_state_dict(state[key])
     if rng and isinstance(state, dict) and "rng" in state:
         restore_rng(state["rng"])
+    if files_to is not None:
+        store.restore_files(info.id, to=files_to, rank=rank)
     return Resumed(cut=info, step=int(state.get("step", info.step)), extra=dict(state.get("extra", {})),
                    state=state, skipped=skipped)

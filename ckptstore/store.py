@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from . import hashing, layout
-from .arrays import describe, resolve_map_location
+from .arrays import ArrayItem, describe, resolve_map_location
+from .attached import AttachedFile, FilesArg, close_sources, open_sources, write_files
 from .errors import (
     CorruptCut,
     CutNotFound,
@@ -34,7 +35,7 @@ from .events import Emitter, log
 from .gcpause import pausing
 from .info import CutInfo
 from .latest import StoreIdentity
-from .loader import load_manifest
+from .loader import load_manifest, read_attached
 from .lock import WriterLock
 from .manifest import Manifest
 from .labels import MAX_LABEL, Label, label_path
@@ -350,6 +351,21 @@ class Store:
         return load_manifest(self.storage, m, map_location=map_location, verify=verify, keys=keys,
                              allow_pickle=allow_pickle, allowed_types=allowed_types)
 
+    def restore_files(self, cut: CutSelector = "latest", to: str | os.PathLike[str] = ".", *,
+                      rank: int | None = None, overwrite: bool = True, verify: bool = True) -> list[str]:
+        """Puts the files attached to ``cut`` (``save(files=)``, ``maybe_cut(files=)``) back under the
+        directory ``to`` and returns the paths written: each file's bytes as they were at the cut,
+        hashed while read, written to a temporary name, fsynced and renamed into place. Files under
+        ``to`` the cut does not hold are left alone. ``rank`` as in :meth:`load` (a store opened with
+        ``group=`` restores its own rank's). Without ``overwrite`` existing files are refused, all
+        named, before anything is written."""
+        if rank is None and self.ranks is not None:
+            rank = self.ranks.rank
+        m = rank_manifest(self.manifest(cut), rank, self.url)
+        where = {"store": self.url, "cut": m.cut}
+        files = read_attached(self.storage, m, verify=verify)
+        return write_files(files, os.fspath(to), overwrite=overwrite, where=where)
+
     def choose(self, *, fallback: bool) -> tuple[CutInfo | None, dict[str, str]]:
         """The cut to resume from (see :func:`ckptstore.selection.choose_cut`); with ``fallback`` the
         cuts proven damaged are recorded bad, and each skip is logged and emitted."""
@@ -443,11 +459,14 @@ class Store:
         final: bool = False,
         metadata: dict[str, Any] | None = None,
         allow_pickle: bool = False,
+        files: FilesArg | None = None,
     ) -> CutInfo:
         """Writes ``state`` as a new cut and commits it; returns once LATEST names it durably.
 
         ``step`` must be above the committed LATEST step (``StepConflict`` otherwise). Values that
-        need pickle are refused unless ``allow_pickle`` is passed.
+        need pickle are refused unless ``allow_pickle`` is passed. ``files``: files that belong to the
+        cut (paths of files or directories, or {stored path: source path}), read now, hashed with the
+        cut and put back by :meth:`restore_files` (docs/format.md, "Attached files").
 
         On a store opened with ``group=`` it is collective: every rank passes its own ``state`` and
         the same ``step``, tags and flags; one cut holds every rank's state, committed by rank 0 once
@@ -456,20 +475,19 @@ class Store:
         """
         if self.ranks is not None:
             return self._save_ranks(state, step=step, tags=tags, final=final, metadata=metadata,
-                                    allow_pickle=allow_pickle)
+                                    allow_pickle=allow_pickle, files=files)
         self._require_writer("save")
         _check_cut_fields(tags, metadata, self.url)
         t0 = time.perf_counter()
-        tree, leaves = flatten(state, allow_pickle=allow_pickle)
-        items = [describe(leaf) for leaf in leaves]
-        pickled = allow_pickle and has_pickle(tree)
+        tree, items, pickled, attached = _prepare(state, files, allow_pickle, self.url)
         t_flat = time.perf_counter()
         pending = self.begin_cut(step, writer="store.save")
         try:
             pending.write(items, codec=self.shard_codec(), max_shard_bytes=self.options.max_shard_bytes)
             pending.files_durable()
             t_write = time.perf_counter()
-            info = pending.commit(tree=tree, pickled=pickled, tags=tags, final=final, metadata=metadata, mode="sync")
+            info = pending.commit(tree=tree, pickled=pickled, tags=tags, final=final, metadata=metadata, mode="sync",
+                                  attached=attached)
         except BaseException as exc:
             pending.abandon()
             self.events.emit("failed", cut=pending.id, step=step, error=str(exc), error_type=type(exc).__name__)
@@ -487,7 +505,7 @@ class Store:
         return info
 
     def _save_ranks(self, state: Any, *, step: int, tags: Sequence[str], final: bool,
-                    metadata: dict[str, Any] | None, allow_pickle: bool) -> CutInfo:
+                    metadata: dict[str, Any] | None, allow_pickle: bool, files: FilesArg | None) -> CutInfo:
         """``save`` over a group: prepare (everywhere) -> mark (rank 0) -> write parts (everywhere)
         -> commit (rank 0); one exchange after each, so every rank learns every outcome."""
         ranks = self.ranks
@@ -497,13 +515,12 @@ class Store:
         where: dict[str, Any] = {"store": self.url}
         err: BaseException | None = None
         tree: dict[str, Any] = {}
-        items: list[Any] = []
+        items: list[ArrayItem] = []
         pickled = False
+        attached: list[AttachedFile] = []
         try:
             _check_cut_fields(tags, metadata, self.url)
-            tree, leaves = flatten(state, allow_pickle=allow_pickle)
-            items = [describe(leaf) for leaf in leaves]
-            pickled = allow_pickle and has_pickle(tree)
+            tree, items, pickled, attached = _prepare(state, files, allow_pickle, self.url)
         except BaseException as exc:  # noqa: BLE001 - every rank hears of it in the exchange
             err = exc
         msgs = ranks.exchange("save-prepare", {**outcome(err), "step": step, "final": bool(final)}, **where)
@@ -531,7 +548,7 @@ class Store:
                 with ranks.busy():
                     part = self.rank_part(cut, step)
                     files, arrays = part.write(items, codec=self.shard_codec(), max_shard_bytes=self.options.max_shard_bytes)
-                    part.publish(files, arrays, tree=tree, pickled=pickled)
+                    part.publish(files, arrays, tree=tree, pickled=pickled, attached=attached)
             except BaseException as exc:  # noqa: BLE001
                 err = exc
             msgs = ranks.exchange("save-written", outcome(err), **where)
@@ -865,6 +882,20 @@ def rank_manifest(m: Manifest, rank: int | None, url: str) -> Manifest:
         return m.for_rank(rank)
     except ValueError as exc:
         raise UsageError(str(exc), store=url, cut=m.cut) from None
+
+
+def _prepare(state: Any, files: FilesArg | None, allow_pickle: bool, url: str
+             ) -> tuple[dict[str, Any], list[ArrayItem], bool, list[AttachedFile]]:
+    """What a synchronous save writes: the state's tree and arrays, then the attached files' bytes."""
+    tree, leaves = flatten(state, allow_pickle=allow_pickle)
+    items = [describe(leaf) for leaf in leaves]
+    sources = open_sources(files, where={"store": url})
+    try:
+        items += [s.item(where={"store": url}) for s in sources]
+        attached = [s.record() for s in sources]
+    finally:
+        close_sources(sources)
+    return tree, items, allow_pickle and has_pickle(tree), attached
 
 
 def _check_cut_fields(tags: Sequence[str], metadata: dict[str, Any] | None, url: str) -> None:

@@ -9,7 +9,9 @@ CPU tensors and numpy arrays are copied straight into their slot. CUDA tensors t
 
 Either way the host side is the shared block itself, pinned once with cudaHostRegister, so there is no
 second host copy. Non-tensor state is turned into the JSON tree here, at capture time, so a cut holds
-its own step's values. When :func:`capture` returns, the caller may modify every tensor in place.
+its own step's values, and files attached to the cut (``files=``, :mod:`ckptstore.attached`) are read
+into the block here too, so it holds their bytes as of this step. When :func:`capture` returns, the
+caller may modify every tensor in place and rewrite every attached file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ckptstore.arrays import torch_dtype_name
+from ckptstore.attached import AttachedFile, FilesArg, Source, close_sources, open_sources
 from ckptstore.format import TORCH_DTYPES
 from ckptstore.errors import UnsupportedValue
 from ckptstore.tree import Leaf, flatten, has_pickle
@@ -39,6 +42,8 @@ class Captured:
     reason: str
     seconds: float
     pickled: bool
+    #: The files attached to the cut; their bytes are the block's last slots.
+    attached: list[AttachedFile] = field(default_factory=list)
     _pending: list[Any] = field(default_factory=list)
     _event: Any = None
 
@@ -100,16 +105,32 @@ def capture(
     allow_pickle: bool = False,
     device_copy: bool = True,
     pinning: Pinning | None = None,
+    files: FilesArg | None = None,
+    where: dict[str, Any] | None = None,
 ) -> Captured:
-    """Flattens ``state`` and copies its arrays into the block ``block_for(nbytes)`` returns."""
+    """Flattens ``state`` and copies its arrays, then the ``files`` attached to the cut, into the block
+    ``block_for(nbytes)`` returns."""
     t0 = time.perf_counter()
     tree, leaves = flatten(state, allow_pickle=allow_pickle)
-    plan = plan_block([describe_leaf(leaf) for leaf in leaves])
+    sources = open_sources(files, where=where or {})
+    try:
+        captured = _capture(tree, leaves, sources, block_for, allow_pickle=allow_pickle, device_copy=device_copy,
+                            pinning=pinning, where=where or {})
+    finally:
+        close_sources(sources)
+    captured.seconds = time.perf_counter() - t0
+    return captured
+
+
+def _capture(tree: dict[str, Any], leaves: list[Leaf], sources: list[Source], block_for: Callable[[int], Block], *,
+             allow_pickle: bool, device_copy: bool, pinning: Pinning | None, where: dict[str, Any]) -> Captured:
+    plan = plan_block([describe_leaf(leaf) for leaf in leaves] + [s.describe() for s in sources])
     block = block_for(plan.nbytes)
     torch = sys.modules.get("torch")
     cuda_leaves = [lf for lf in leaves if lf.kind == "torch" and lf.obj.device.type == "cuda"]
     mode, reason = "cpu-copy", "all arrays are in host memory"
-    captured = Captured(plan, tree, mode, reason, 0.0, pickled=allow_pickle and has_pickle(tree))
+    captured = Captured(plan, tree, mode, reason, 0.0, pickled=allow_pickle and has_pickle(tree),
+                        attached=[s.record() for s in sources])
     if cuda_leaves:
         assert torch is not None and pinning is not None
         pinning.ensure(block)
@@ -126,6 +147,11 @@ def capture(
     if captured.mode == "cuda-device-copy":
         side = torch.cuda.Stream(device=cuda_leaves[0].obj.device)  # type: ignore[union-attr]
         side.wait_stream(torch.cuda.current_stream())  # type: ignore[union-attr]
+    if sources:
+        whole = memoryview(block.map)
+        for slot, src in zip(plan.slots[len(leaves):], sources):
+            src.read_into(whole[slot.offset:slot.offset + slot.nbytes], where=where)
+        whole.release()
     for slot, leaf in zip(plan.slots, leaves):
         if slot.nbytes == 0:
             continue
@@ -155,5 +181,4 @@ def capture(
     elif side is not None:
         captured._event = torch.cuda.Event()  # type: ignore[union-attr]
         captured._event.record(side)
-    captured.seconds = time.perf_counter() - t0
     return captured

@@ -25,6 +25,7 @@ import time
 from typing import Any, Sequence
 
 from ckptstore import layout
+from ckptstore.attached import FilesArg
 from ckptstore.errors import StepConflict, UsageError
 from ckptstore.events import Emitter, JsonLinesFile
 from ckptstore.manifest import FileRecord
@@ -136,7 +137,9 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------ public API
     def maybe_cut(self, step: int, state: Any, **kw: Any) -> CutHandle | None:
         """Takes a cut when ``step % every == 0`` and none is in flight (``busy="skip"``); returns its
-        handle, or None when no cut is due or it was skipped.
+        handle, or None when no cut is due or it was skipped. Keywords: ``tags``, ``metadata``,
+        ``allow_pickle`` as in ``Store.save``, and ``files`` (files that belong to the cut, read here
+        at capture: ``ckptstore.attached``; put back with ``restore(..., files_to=)``).
 
         With ``preemption=True``, after SIGTERM or SIGUSR1 (on any rank) it instead takes a cut of this
         step whatever ``every`` says, tagged "preempted", waits until it is committed and sets
@@ -319,8 +322,8 @@ class Checkpointer:
         self._handles = [h for h in self._handles if not h.done or (h.error is not None and not h.reported)]
 
     def _take(self, step: int, state: Any, *, periodic: bool, final: bool = False,
-              tags: Sequence[str] = (), metadata: dict[str, Any] | None = None, allow_pickle: bool = False
-              ) -> CutHandle | None:
+              tags: Sequence[str] = (), metadata: dict[str, Any] | None = None, allow_pickle: bool = False,
+              files: FilesArg | None = None) -> CutHandle | None:
         if self._closed:
             raise UsageError("the checkpointer is closed", store=self.store.url)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -348,8 +351,8 @@ class Checkpointer:
             raise StepConflict(f"step {step} is not above the last cut's step {last}", store=self.store.url)
         handle = CutHandle(step, layout.new_cut_id(step), final)
         try:
-            captured = capture(state, self._block_for, allow_pickle=allow_pickle,
-                               device_copy=self.options.device_copy, pinning=self._pinning)
+            captured = capture(state, self._block_for, allow_pickle=allow_pickle, device_copy=self.options.device_copy,
+                               pinning=self._pinning, files=files, where={"store": self.store.url, "cut": handle.id})
         except BaseException as exc:
             handle.to_failed(exc)
             handle.reported = True
@@ -418,7 +421,8 @@ class Checkpointer:
             handle.to_committing()
             t_commit = time.perf_counter()
             info = pending.commit(tree=captured.tree, pickled=captured.pickled, tags=extra["tags"],
-                                  final=extra["final"], metadata=extra["metadata"], mode=self.options.mode)
+                                  final=extra["final"], metadata=extra["metadata"], mode=self.options.mode,
+                                  attached=captured.attached)
             self._end_cut(handle)
             handle.to_committed(info)
             self.events.emit("committed", step=handle.step, cut=handle.id, bytes=info.nbytes,
@@ -512,7 +516,8 @@ class Checkpointer:
         finish = None if extra is None else P.Finish(
             tree=captured.tree, pickled=captured.pickled, tags=list(extra["tags"]), final=bool(extra["final"]),
             metadata=dict(extra["metadata"]), mode=self.options.mode, world_size=ranks.size if ranks else 1,
-            rank_timeout=ranks.rank_timeout if ranks else 300.0, stall_timeout=self.options.write_timeout)
+            rank_timeout=ranks.rank_timeout if ranks else 300.0, stall_timeout=self.options.write_timeout,
+            attached=list(captured.attached))
         return P.WriteRequest(cut=handle.id, step=handle.step, block=self._block.name, block_size=self._block.size,
                               slots=list(captured.plan.slots), codec=codec.name,  # type: ignore[arg-type]
                               zstd_level=codec.level, max_shard_bytes=self.store.options.max_shard_bytes,

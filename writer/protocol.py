@@ -20,6 +20,7 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, TypeAdapter
 
+from ckptstore.attached import AttachedFile
 from ckptstore.manifest import FileRecord, TensorRecord
 from ckptstore.models import StrictModel
 
@@ -62,6 +63,7 @@ class Finish(StrictModel):
     world_size: int = 1
     rank_timeout: float = 300.0
     stall_timeout: float = 600.0
+    attached: list[AttachedFile] = Field(default_factory=list)
 
 
 class WriteRequest(StrictModel):

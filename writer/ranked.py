@@ -23,6 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ckptstore import layout
+from ckptstore.attached import FilesArg
 from ckptstore.errors import StepConflict, UsageError
 from ckptstore.info import CutInfo
 from ckptstore.pending import PendingCut
@@ -82,7 +83,8 @@ class RankedCuts:
                           ranks=list(failed), cut=first["cut"], **self.where)
 
     def take(self, step: int, state: Any, *, periodic: bool, final: bool = False, tags: Sequence[str] = (),
-             metadata: dict[str, Any] | None = None, allow_pickle: bool = False) -> CutHandle | None:
+             metadata: dict[str, Any] | None = None, allow_pickle: bool = False, files: FilesArg | None = None
+             ) -> CutHandle | None:
         ck = self.ck
         if ck._closed:
             raise UsageError("the checkpointer is closed", store=ck.store.url)
@@ -127,7 +129,7 @@ class RankedCuts:
         captured: Captured | None = None
         try:
             captured = capture(state, ck._block_for, allow_pickle=allow_pickle, device_copy=ck.options.device_copy,
-                               pinning=ck._pinning)
+                               pinning=ck._pinning, files=files, where={"store": ck.store.url, "cut": handle.id})
         except BaseException as exc:  # noqa: BLE001 - every rank hears of it below
             err = exc
         msgs = self.ranks.exchange("captured", outcome(err), **self.where)
@@ -202,7 +204,8 @@ class RankedCuts:
             part = ck.store.rank_part(handle.id, handle.step)
             files, timings = ck._write(handle, captured, part)
             assert part.written is not None
-            part.publish(*part.written, tree=captured.tree, pickled=captured.pickled, mode=ck.options.mode)
+            part.publish(*part.written, tree=captured.tree, pickled=captured.pickled, mode=ck.options.mode,
+                         attached=captured.attached)
             handle.timings.update(timings)
             ck.events.emit("written", step=handle.step, cut=handle.id, bytes=sum(f.nbytes for f in files),
                            timings={k: round(v, 6) for k, v in timings.items()}, writer_mode=ck.options.mode,

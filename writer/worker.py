@@ -105,7 +105,8 @@ class Worker:
             outcome = finish_orphaned_cut(
                 self.storage, lock.ensure_held, cut=req.cut, step=req.step, rank=req.rank, files=done.files,
                 tensors=done.tensors, tree=f.tree, pickled=f.pickled, tags=f.tags, final=f.final,
-                metadata=f.metadata, mode=f.mode, world_size=f.world_size, rank_timeout=f.rank_timeout, log=log)
+                metadata=f.metadata, mode=f.mode, world_size=f.world_size, rank_timeout=f.rank_timeout,
+                attached=list(f.attached), log=log)
             log(f"the trainer died; finished cut {req.cut}: {outcome}")
         except BaseException as exc:  # noqa: BLE001 - nothing to report to: the store's gc cleans up
             log(f"the trainer died; could not finish cut {req.cut}: {type(exc).__name__}: {exc}")

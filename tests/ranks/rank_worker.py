@@ -65,8 +65,15 @@ def scenario_save_load(job: Job) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with job.open(create=True) as store:
         out["repr"] = repr(store)
-        infos = [job.save(store, s) for s in (1, 2)]
+        journal = os.path.join(job.cfg["out_dir"], f"journal{job.rank}.txt")
+        with open(journal, "w") as f:
+            f.write(f"rank {job.rank}\n")
+        infos = [job.save(store, s, files={"journal.txt": journal} if s == 2 else None) for s in (1, 2)]
         out["infos"] = [i.to_json() for i in infos]
+        # Each rank's own files come back to it (a store opened with group= restores its own rank's).
+        restored = os.path.join(job.cfg["out_dir"], f"restored{job.rank}")
+        store.restore_files(to=restored)
+        out["restored"] = open(os.path.join(restored, "journal.txt")).read()
     back = ckptstore.load(job.url, rank=job.rank, storage_options=job.cfg.get("storage_options"))
     out["loaded_same"] = same(back, state_of(job.rank, 2))
     out["keys_same"] = same(ckptstore.load(job.url, keys=["nested"], rank=job.rank,
@@ -135,6 +142,10 @@ def scenario_resume(job: Job) -> dict[str, Any]:
         mib = job.cfg.get("resume_mib")
         want = big_state(job.rank, latest.step, mib) if mib else state_of(job.rank, latest.step)
         res = {"latest_step": latest.step, "world_size": latest.world_size, "state_ok": same(back, want)}
+        if job.cfg.get("files_to"):  # the collective restore puts this rank's attached files back too
+            to = os.path.join(job.cfg["out_dir"], f"files{job.rank}")
+            ckptstore.restore(store, rng=False, files_to=to)
+            res["journal"] = open(os.path.join(to, "journal.txt")).read()
         info = job.save(store, latest.step + 10)
         res["saved"] = info.step
         if job.rank == 0:
@@ -274,7 +285,10 @@ def scenario_ck_all_die(job: Job) -> dict[str, Any]:
     """Every trainer is SIGKILLed right after the cut of step 2 was handed to its writer process."""
     ck, _ = checkpointer(job, every=1)
     ck.cut(1, state_of(job.rank, 1), final=True)
-    h = ck.maybe_cut(2, big_state(job.rank, 2, job.cfg.get("mib", 32)))
+    journal = os.path.join(job.cfg["out_dir"], f"journal{job.rank}.txt")
+    with open(journal, "w") as f:
+        f.write(f"rank {job.rank} at step 2\n")
+    h = ck.maybe_cut(2, big_state(job.rank, 2, job.cfg.get("mib", 32)), files={"journal.txt": journal})
     with open(os.path.join(job.cfg["out_dir"], f"rank{job.rank}.json"), "w") as f:
         json.dump({"cut": h.id, "writer_pid": ck.writer_pid}, f)
     # Every rank is past maybe_cut before any dies: rank 0's process hosts the rendezvous store here

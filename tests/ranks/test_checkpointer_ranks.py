@@ -140,9 +140,13 @@ def test_all_trainers_killed_right_after_capture_and_the_cut_still_commits(tmp_p
         assert latest.id == cut and latest.world_size == 2, "the handed-over cut was lost"
         assert store.manifest().writer.mode == "rescue:process"
         assert store.verify().ok
+        for r in (0, 1):  # each rank's attached file, finished by its own orphaned writer
+            store.restore_files(to=str(tmp_path / f"restored{r}"), rank=r)
+            assert open(tmp_path / f"restored{r}" / "journal.txt").read() == f"rank {r} at step 2\n"
     res2 = run_job(str(tmp_path / "out2"), 2, "resume", url=url, resume_mib=32 if where == "local" else 4,
-                   storage_options=opts, timeout=150)
+                   storage_options=opts, timeout=150, files_to=True)
     assert all(r.result and r.result["latest_step"] == 2 and r.result["state_ok"] for r in res2), describe(res2)
+    assert [r.result["journal"] for r in res2] == [f"rank {r} at step 2\n" for r in (0, 1)]
 
 
 def gone_within(pid: int, seconds: float) -> bool:

@@ -22,11 +22,13 @@ def test_two_ranks_save_and_load_back_each_rank(tmp_path):
         assert r.result["loaded_same"] and r.result["keys_same"]
         assert "world size 2" in r.result["no_rank_error"] and "rank=" in r.result["no_rank_error"]
         assert [i["world_size"] for i in r.result["infos"]] == [2, 2]
+        assert r.result["restored"] == f"rank {r.rank}\n"  # its own attached file, restored by its rank
     # Every rank got the same CutInfo back.
     assert res[0].result["infos"] == res[1].result["infos"]
     m = ckptstore.Store.open(url, readonly=True).manifest()
     assert m.world_size == 2 and m.format_version == 3
     assert sorted({f.rank for f in m.files}) == [0, 1]
+    assert [(a.rank, a.path) for a in m.attached] == [(0, "journal.txt"), (1, "journal.txt")]
     assert sorted(os.listdir(tmp_path / "store" / "marks")) == []
     report = ckptstore.Store.open(url, readonly=True).verify()
     assert report.ok, report.to_json()

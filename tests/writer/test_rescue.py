@@ -5,6 +5,7 @@ the lock it inherited, and exits; nothing stays behind."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -20,26 +21,30 @@ CHILD = textwrap.dedent("""
     import ckptstore
     from ckptstore.writer import Checkpointer
 
-    url, opts, mib = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    url, opts, mib, journal = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     state = {f"w{i}": np.full(mib * 65536, float(i), dtype=np.float32) for i in range(4)}
     ck = Checkpointer(url, every=1, store_options=ckptstore.StoreOptions(**opts))
     first = ck.cut(1, state).wait(60)
     for a in state.values():
         a += 1.0
-    h = ck.maybe_cut(2, state, tags=["rescued?"])
+    with open(journal, "w") as f:
+        f.write("journal at step 2\\n")
+    h = ck.maybe_cut(2, state, tags=["rescued?"], files=[journal])
+    with open(journal, "w") as f:  # what the cut holds was read in maybe_cut
+        f.write("journal at step 3\\n")
     print(json.dumps({"first": first.id, "second": h.id, "writer_pid": ck.writer_pid}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
 
-def run_child(url: str, opts: dict, mib: int) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, url, json.dumps(opts), str(mib)], capture_output=True,
-                          text=True, timeout=120)
+def run_child(url: str, opts: dict, mib: int, journal: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, url, json.dumps(opts), str(mib), journal],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def check_rescued(url: str, opts: dict, out: dict) -> None:
+def check_rescued(url: str, opts: dict, out: dict, restore_to: str) -> None:
     wait_until(lambda: has_exited(out["writer_pid"]), timeout=BOUND, what="the orphaned writer's exit")
     with ckptstore.Store.open(url, readonly=True, options=ckptstore.StoreOptions(**opts)) as store:
         latest = store.latest()
@@ -50,6 +55,8 @@ def check_rescued(url: str, opts: dict, out: dict) -> None:
         # The mark is gone; at most a temp file of a write the trainer's own thread was doing as it died.
         assert {lo.kind for lo in store.classify().leftovers} <= {"temp-file"}
         state = store.load()
+        store.restore_files(to=restore_to)  # the file attached to the cut is finished with it
+    assert open(os.path.join(restore_to, "journal.txt")).read() == "journal at step 2\n"
     assert all(np.all(state[f"w{i}"] == i + 1.0) for i in range(4))
     with ckptstore.Store.open(url, options=ckptstore.StoreOptions(**opts)) as store:  # recovery on open
         assert store.classify().leftovers == [] and store.latest().id == out["second"]
@@ -57,11 +64,11 @@ def check_rescued(url: str, opts: dict, out: dict) -> None:
 
 def test_a_trainer_killed_right_after_handing_over_a_cut_loses_nothing(tmp_path):
     url = str(tmp_path / "store")
-    out = run_child(url, {}, mib=16)  # 64 MiB: the writer is still writing when the trainer dies
-    check_rescued(url, {}, out)
+    out = run_child(url, {}, mib=16, journal=str(tmp_path / "journal.txt"))  # 64 MiB: still writing at the kill
+    check_rescued(url, {}, out, str(tmp_path / "restored"))
 
 
 def test_rescue_on_the_s3_server(tmp_path, s3_url):
     url, opts = s3_url
-    out = run_child(url, {"storage_options": opts}, mib=4)
-    check_rescued(url, {"storage_options": opts}, out)
+    out = run_child(url, {"storage_options": opts}, mib=4, journal=str(tmp_path / "journal.txt"))
+    check_rescued(url, {"storage_options": opts}, out, str(tmp_path / "restored"))

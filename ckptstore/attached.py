@@ -1,0 +1,339 @@
+"""Files that belong to a cut (issue 13): a config, a tokenizer, a data-loader journal, copied with it.
+
+``save``/``maybe_cut``/``cut`` take ``files=``: paths of files or directories, or a mapping of names to
+paths. Each file is read at capture time, while the loop waits, so the cut never holds a later step's
+bytes; its bytes become a 1-D ``uint8`` array of the cut named ``~files/<path>`` (a name no state can
+have: state array names escape ``~`` as ``~0``), written, hashed and verified like every other array,
+and the manifest lists it in ``attached`` (``path``, ``rank``, ``nbytes``). ``Store.restore_files``
+puts them back under a directory of the caller's choice.
+
+Stored paths are relative POSIX paths: a file is stored under its base name, a directory's files under
+the directory's base name (``files=["cfg.yaml", "ledger/"]`` gives ``cfg.yaml`` and ``ledger/...``), a
+mapping's under its keys. A path is refused on parse (and so on restore) unless every component is
+a plain name (not empty, ``.`` or ``..``, no backslash, no control character): a hostile manifest
+cannot make ``restore_files`` write outside its target.
+
+What is attached: regular files, following a symlink to one. A directory is walked without following
+symlinked directories; a symlink to a directory, a FIFO, a socket or a device is refused, all such in
+one error. A file that changes size while it is read is refused (the cut would hold a torn copy).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from typing import Annotated, Any, Iterable, Mapping, Sequence, Union
+
+from pydantic import AfterValidator, Field
+
+from .arrays import ArrayItem
+from .errors import UnsupportedValue, UsageError
+from .models import StrictModel
+
+#: The prefix of the array names that hold attached files.
+FILES_PREFIX = "~files/"
+#: Longest stored path, in bytes (UTF-8); each component at most NAME_MAX.
+MAX_PATH_BYTES = 4000  # its array name (``~files/`` + path) stays within a manifest's 4096
+NAME_MAX = 255
+#: Most files one cut may carry (each is a manifest record and an array).
+MAX_FILES = 100_000
+
+#: What ``files=`` takes: a path, several, or {stored path: source path}.
+FilesArg = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Mapping[str, Union[str, "os.PathLike[str]"]]]
+
+
+def check_path(p: str) -> str:
+    """``p`` when it is a relative POSIX path of plain components; ValueError otherwise."""
+    if not isinstance(p, str) or not p:
+        raise ValueError("an attached file's path must be a non-empty string")
+    if len(p.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise ValueError(f"attached path {p[:60]!r}... is longer than {MAX_PATH_BYTES} bytes")
+    if any(ord(c) < 32 or ord(c) == 127 for c in p) or "\\" in p:
+        raise ValueError(f"attached path {p!r} holds a control character or a backslash")
+    for part in p.split("/"):
+        if part in ("", ".", ".."):
+            raise ValueError(f"attached path {p!r} is not a relative path of plain names")
+        if len(part.encode("utf-8", "surrogatepass")) > NAME_MAX:
+            raise ValueError(f"attached path {p!r} has a component longer than {NAME_MAX} bytes")
+    return p
+
+
+AttachedPath = Annotated[str, AfterValidator(check_path)]
+
+
+class AttachedFile(StrictModel):
+    """A file of a cut: its bytes are the ``uint8`` array :func:`array_name` of rank ``rank``."""
+
+    path: AttachedPath
+    rank: int = Field(default=0, ge=0)
+    nbytes: int = Field(ge=0)
+
+    @property
+    def array(self) -> str:
+        return array_name(self.path)
+
+
+def array_name(path: str) -> str:
+    return FILES_PREFIX + path
+
+
+def check_listing(files: Iterable[AttachedFile]) -> None:
+    """ValueError unless paths are unique per rank and none is also another's directory (``a`` and
+    ``a/b``: a restore could not write both)."""
+    seen: set[tuple[int, str]] = set()
+    dirs: set[tuple[int, str]] = set()
+    for f in files:
+        key = (f.rank, f.path)
+        if key in seen:
+            raise ValueError(f"attached path {f.path!r} is listed twice" + (f" for rank {f.rank}" if f.rank else ""))
+        seen.add(key)
+        parts = f.path.split("/")
+        for i in range(1, len(parts)):
+            dirs.add((f.rank, "/".join(parts[:i])))
+    clash = sorted(p for r, p in seen & dirs)
+    if clash:
+        raise ValueError(f"attached path {clash[0]!r} is both a file and a directory")
+
+
+# --------------------------------------------------------------------------------------- capture side
+@dataclass
+class Source:
+    """A file opened for attaching: ``path`` is its stored path, ``origin`` where it was read."""
+
+    path: str
+    origin: str
+    fd: int
+    nbytes: int
+
+    def describe(self) -> tuple[str, str, str, tuple[int, ...], int]:
+        """(name, kind, dtype, shape, nbytes) of its array, as ``writer.capture.describe_leaf``."""
+        return array_name(self.path), "numpy", "|u1", (self.nbytes,), self.nbytes
+
+    def read_into(self, buf: memoryview, *, where: dict[str, Any]) -> None:
+        """Reads the whole file into ``buf`` (``nbytes`` long); refuses a file whose size changed since
+        it was opened (the copy would be torn)."""
+        done = 0
+        while done < self.nbytes:
+            n = os.preadv(self.fd, [buf[done:self.nbytes]], done)
+            if n == 0:
+                raise UsageError(f"attached file {self.origin} shrank while it was read ({done} of {self.nbytes} "
+                                 "bytes)", **where, hint="attach files nothing writes during the cut")
+            done += n
+        if os.pread(self.fd, 1, self.nbytes):
+            raise UsageError(f"attached file {self.origin} grew while it was read (past {self.nbytes} bytes)",
+                             **where, hint="attach files nothing writes during the cut")
+
+    def item(self, *, where: dict[str, Any]) -> ArrayItem:
+        """The file's bytes, read now, as an array ready for ``write_shards`` (``Store.save``)."""
+        buf = bytearray(self.nbytes)
+        self.read_into(memoryview(buf), where=where)
+        name, kind, dtype, shape, nbytes = self.describe()
+        return ArrayItem(name, kind, dtype, shape, nbytes, memoryview(buf))
+
+    def record(self, rank: int = 0) -> AttachedFile:
+        return AttachedFile(path=self.path, rank=rank, nbytes=self.nbytes)
+
+
+def _entries(files: FilesArg) -> list[tuple[str | None, str]]:
+    """(stored name or None for "the base name", source path) for each entry of ``files=``."""
+    if isinstance(files, Mapping):
+        return [(str(k), os.fspath(v)) for k, v in files.items()]
+    if isinstance(files, (str, os.PathLike)):
+        return [(None, os.fspath(files))]
+    if isinstance(files, (list, tuple)):
+        return [(None, os.fspath(f)) for f in files]
+    raise UsageError(f"files= takes a path, a list of paths or a mapping of names to paths, not {type(files).__name__}")
+
+
+def open_sources(files: FilesArg | None, *, where: dict[str, Any]) -> list[Source]:
+    """Opens every file ``files=`` names (directories walked), in a stable order. Raises
+    ``UnsupportedValue`` listing every entry that is not a regular file, and ``UsageError`` for a missing
+    path, an unusable stored name, or two files with one stored path. Nothing is left open on error."""
+    if files is None:
+        return []
+    found: list[tuple[str, str]] = []  # (stored path, source path)
+    refused: list[str] = []
+    for name, src in _entries(files):
+        base = name if name is not None else os.path.basename(os.path.normpath(src))
+        try:
+            st = os.stat(src)
+        except FileNotFoundError:
+            raise UsageError(f"attached file {src} does not exist", **where) from None
+        except OSError as exc:
+            raise UsageError(f"attached file {src} cannot be read: {exc.strerror}", **where) from exc
+        if stat.S_ISDIR(st.st_mode):
+            found.extend(_walk(src, base, refused))
+        elif stat.S_ISREG(st.st_mode):
+            found.append((base, src))
+        else:
+            refused.append(f"{src}: {_kind(st.st_mode)}")
+    if refused:
+        raise UnsupportedValue(f"cannot attach {len(refused)} path(s), only regular files and directories of them:\n"
+                               + "\n".join(f"  {r}" for r in refused[:20])
+                               + (f"\n  ... and {len(refused) - 20} more" if len(refused) > 20 else ""), **where)
+    if len(found) > MAX_FILES:
+        raise UsageError(f"files= names {len(found)} files; a cut carries at most {MAX_FILES}", **where)
+    sources: list[Source] = []
+    try:
+        for stored, src in found:
+            try:
+                check_path(stored)
+            except ValueError as exc:
+                raise UsageError(f"cannot attach {src}: {exc}", **where) from None
+            fd = os.open(src, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            sources.append(Source(stored, src, fd, 0))
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # replaced between the walk and the open
+                raise UnsupportedValue(f"cannot attach {src}: {_kind(st.st_mode)}", **where)
+            sources[-1].nbytes = st.st_size
+        try:
+            check_listing(s.record() for s in sources)
+        except ValueError as exc:
+            raise UsageError(f"files=: {exc}", **where,
+                             hint="name the files with a mapping {stored path: source path}") from None
+    except BaseException:
+        close_sources(sources)
+        raise
+    return sources
+
+
+def _walk(root: str, base: str, refused: list[str]) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=_raise):
+        rel = os.path.relpath(dirpath, root)
+        prefix = base if rel == "." else f"{base}/{rel.replace(os.sep, '/')}"
+        for d in sorted(dirnames):
+            if os.path.islink(os.path.join(dirpath, d)):
+                refused.append(f"{os.path.join(dirpath, d)}: a symlink to a directory")
+        dirnames.sort()
+        for f in sorted(filenames):
+            path = os.path.join(dirpath, f)
+            try:
+                st = os.stat(path)
+            except OSError as exc:
+                refused.append(f"{path}: {exc.strerror}")
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out.append((f"{prefix}/{f}", path))
+            else:
+                refused.append(f"{path}: {_kind(st.st_mode)}")
+    return sorted(out)
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def close_sources(sources: Iterable[Source]) -> None:
+    for s in sources:
+        try:
+            os.close(s.fd)
+        except OSError:
+            pass
+
+
+# --------------------------------------------------------------------------------------- restore side
+def write_files(files: Sequence[tuple[AttachedFile, Any]], to: str, *, overwrite: bool,
+                where: dict[str, Any]) -> list[str]:
+    """Writes each (record, bytes) under ``to`` (created if missing) and returns the paths written.
+    Each file is written to a temporary name, fsynced and renamed into place, so a crash leaves the old
+    file or the new one. Directories under ``to`` are entered without following symlinks, so a stored
+    path can never lead outside ``to``. Without ``overwrite`` an existing file is refused (all of them
+    named, before anything is written)."""
+    os.makedirs(to, exist_ok=True)
+    root = os.open(to, os.O_RDONLY | os.O_DIRECTORY)
+    written: list[str] = []
+    try:
+        if not overwrite:
+            exist = [f.path for f, _ in files if _exists_under(root, f.path)]
+            if exist:
+                raise UsageError(f"{len(exist)} file(s) to restore exist under {to}: {exist[:5]}", path=to, **where,
+                                 hint="pass overwrite=True to replace them")
+        for rec, data in files:
+            parts = rec.path.split("/")
+            dfd = _enter_dirs(root, parts[:-1], to, where)
+            try:
+                _replace(dfd, parts[-1], data, os.path.join(to, rec.path), where)
+                os.fsync(dfd)
+            finally:
+                if dfd != root:
+                    os.close(dfd)
+            written.append(os.path.join(to, *parts))
+        os.fsync(root)
+    finally:
+        os.close(root)
+    return written
+
+
+def _exists_under(root: int, path: str) -> bool:
+    try:
+        os.stat(path, dir_fd=root, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _enter_dirs(root: int, parts: list[str], to: str, where: dict[str, Any]) -> int:
+    fd = root
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    for i, part in enumerate(parts):
+        try:
+            os.mkdir(part, 0o777, dir_fd=fd)
+        except FileExistsError:
+            pass
+        try:
+            nfd = os.open(part, flags, dir_fd=fd)
+        except OSError as exc:
+            if fd != root:
+                os.close(fd)
+            raise UsageError(f"cannot restore into {os.path.join(to, *parts[:i + 1])}: not a directory (or a symlink)",
+                             path=to, **where) from exc
+        if fd != root:
+            os.close(fd)
+        fd = nfd
+    return fd
+
+
+def _replace(dfd: int, name: str, data: Any, shown: str, where: dict[str, Any]) -> None:
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"cannot restore {shown}: a directory is in the way", path=shown, **where)
+    except FileNotFoundError:
+        pass
+    tmp = f".{name[:200]}.ckptstore-restore-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
+    try:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except OSError:
+            pass
+        raise
+
+
+__all__ = ["AttachedFile", "FILES_PREFIX", "FilesArg", "Source", "array_name", "check_path", "open_sources",
+           "close_sources", "write_files"]
