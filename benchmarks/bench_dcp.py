@@ -58,8 +58,6 @@ import warnings
 from typing import Any, Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BEGIN = "<!-- bench_dcp:begin -->"
-END = "<!-- bench_dcp:end -->"
 
 SW_SAVE = "dcp.save, StoreWriter (returns committed: shards fsynced, manifest, LATEST)"
 FSW_SAVE = "dcp.save, FileSystemWriter as shipped (files fsynced, directory not)"
@@ -74,7 +72,7 @@ DISK_READ = "(floor) disk: raw read of the store's shard files, 8 MiB readinto"
 from benchkit import (  # noqa: E402
     GB, FloorRep, RssSampler, Series, drop_caches, files_under, fsync_dcp_dir, gbps, machine_summary, pin_malloc, read_files,
     shard_files)
-from benchkit import ratio as _ratio, rotate as _rotate, secs as _secs  # noqa: E402
+from benchkit import ratio as _ratio, rotate as _rotate, secs as _secs, write_region as _write_region  # noqa: E402
 
 MALLOC_PINNED = pin_malloc()
 
@@ -467,22 +465,7 @@ def report(b: Bench, cmd: str, started: str, wall: float, load_before: tuple, lo
 
 def write_region(path: str, body: str) -> None:
     """Replaces the bench_dcp region of ``path`` (appends it when missing); the rest is untouched."""
-    block = f"{BEGIN}\n{body.rstrip()}\n{END}\n"
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        text = ""
-    if BEGIN in text and END in text.split(BEGIN, 1)[1]:
-        pre, rest = text.split(BEGIN, 1)
-        post = rest.split(END, 1)[1]
-        text = pre + block.rstrip("\n") + post
-    else:
-        text = (text.rstrip("\n") + "\n\n" if text else "") + block
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    _write_region(path, body, "bench_dcp")
 
 
 def main(argv: list[str] | None = None) -> int:

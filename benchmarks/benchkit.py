@@ -158,3 +158,26 @@ def machine_summary(repo: str) -> list[str]:
         f"blake3 {getattr(blake3, '__version__', '?')}, psutil {psutil.__version__}, ckptstore {ckptstore.__version__}",
         f"Host: {socket.gethostname()}",
     ]
+
+
+def write_region(path: str, body: str, name: str) -> None:
+    """Replaces the region between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` of the markdown
+    file ``path`` with ``body`` (appends the region when missing); the rest is untouched."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}\n"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = ""
+    if begin in text and end in text.split(begin, 1)[1]:
+        pre, rest = text.split(begin, 1)
+        post = rest.split(end, 1)[1]
+        text = pre + block.rstrip("\n") + post
+    else:
+        text = (text.rstrip("\n") + "\n\n" if text else "") + block
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+

@@ -255,6 +255,7 @@ def write_files(files: Sequence[tuple[AttachedFile, Any]], to: str, *, overwrite
     named, before anything is written)."""
     os.makedirs(to, exist_ok=True)
     root = os.open(to, os.O_RDONLY | os.O_DIRECTORY)
+    dirs: dict[tuple[str, ...], int] = {(): root}  # each directory entered once, fsynced once at the end
     written: list[str] = []
     try:
         if not overwrite:
@@ -264,17 +265,14 @@ def write_files(files: Sequence[tuple[AttachedFile, Any]], to: str, *, overwrite
                                  hint="pass overwrite=True to replace them")
         for rec, data in files:
             parts = rec.path.split("/")
-            dfd = _enter_dirs(root, parts[:-1], to, where)
-            try:
-                _replace(dfd, parts[-1], data, os.path.join(to, rec.path), where)
-                os.fsync(dfd)
-            finally:
-                if dfd != root:
-                    os.close(dfd)
+            _replace(_enter_dirs(dirs, tuple(parts[:-1]), to, where), parts[-1], data, os.path.join(to, rec.path),
+                     where)
             written.append(os.path.join(to, *parts))
-        os.fsync(root)
+        for fd in dirs.values():
+            os.fsync(fd)
     finally:
-        os.close(root)
+        for fd in dirs.values():
+            os.close(fd)
     return written
 
 
@@ -286,24 +284,21 @@ def _exists_under(root: int, path: str) -> bool:
         return False
 
 
-def _enter_dirs(root: int, parts: list[str], to: str, where: dict[str, Any]) -> int:
-    fd = root
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-    for i, part in enumerate(parts):
-        try:
-            os.mkdir(part, 0o777, dir_fd=fd)
-        except FileExistsError:
-            pass
-        try:
-            nfd = os.open(part, flags, dir_fd=fd)
-        except OSError as exc:
-            if fd != root:
-                os.close(fd)
-            raise UsageError(f"cannot restore into {os.path.join(to, *parts[:i + 1])}: not a directory (or a symlink)",
-                             path=to, **where) from exc
-        if fd != root:
-            os.close(fd)
-        fd = nfd
+def _enter_dirs(dirs: dict[tuple[str, ...], int], parts: tuple[str, ...], to: str, where: dict[str, Any]) -> int:
+    """The open directory ``to/parts...``, made as needed, each level entered with O_NOFOLLOW."""
+    if parts in dirs:
+        return dirs[parts]
+    parent = _enter_dirs(dirs, parts[:-1], to, where)
+    try:
+        os.mkdir(parts[-1], 0o777, dir_fd=parent)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    except OSError as exc:
+        raise UsageError(f"cannot restore into {os.path.join(to, *parts)}: not a directory (or a symlink)",
+                         path=to, **where) from exc
+    dirs[parts] = fd
     return fd
 
 
