@@ -370,7 +370,8 @@ class Checkpointer:
         self._current = handle
         self._handles.append(handle)
         self.events.emit("captured", step=handle.step, cut=handle.id, stall_s=round(captured.seconds, 6),
-                         bytes=captured.plan.payload, tensors=len(captured.plan.slots), capture_mode=captured.mode,
+                         bytes=captured.plan.payload, tensors=len(captured.plan.slots) - len(captured.attached),
+                         attached_files=len(captured.attached), capture_mode=captured.mode,
                          capture_reason=captured.reason, writer_mode=self.options.mode,
                          skipped_total=self.skipped, waited_total=self.waited, **event)
         job = (handle, captured, {"tags": list(tags), "metadata": dict(metadata or {}), "final": final})

@@ -74,7 +74,8 @@ def test_the_checkpointer_copies_files_at_the_cut_not_at_the_write(tmp_path, src
     url = str(tmp_path / "store")
     cfg = os.path.join(src, "config.yaml")
     for mode in ("process", "thread", "inline"):
-        with Checkpointer(url, every=1, mode=mode) as ck:
+        events: list[dict] = []
+        with Checkpointer(url, every=1, mode=mode, on_event=events.append) as ck:
             base = (ck.store.latest().step + 1) if ck.store.latest() else 0
             for step in range(base, base + 3):
                 with open(cfg, "w") as f:
@@ -84,6 +85,9 @@ def test_the_checkpointer_copies_files_at_the_cut_not_at_the_write(tmp_path, src
                     f.write("a later step's config\n")
                 if h is not None:
                     h.wait(60)
+        captured = [e for e in events if e["event"] == "captured"]
+        assert [(e["tensors"], e["attached_files"]) for e in captured] == [(0, 4)] * 3
+        assert all(e["bytes"] == 7 + 300_000 + 15 for e in captured)
         with Store.open(url, readonly=True) as store:
             for c in store.cuts():
                 out = tmp_path / f"out-{c.id}"
