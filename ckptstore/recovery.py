@@ -241,6 +241,33 @@ def owner_alive(mark: Mark | None) -> bool | None:
     return True
 
 
+#: How many times a read is repeated while LATEST keeps moving under it (see :func:`classify_now`).
+MAX_RESCANS = 5
+
+
+def classify_now(storage: Storage, cache: ManifestCache | None = None) -> Classification:
+    """``classify(scan(storage))``, scanned again while the result shows a LATEST problem *and* LATEST
+    changed since the previous scan. A reader scans while a writer may commit: it reads LATEST first,
+    so a cut committed (manifest written, LATEST moved, mark removed) during the rest of its scan looks
+    committed with LATEST missing, and a prune of LATEST's old cut right after looks like a dangling
+    LATEST, although the store is fine. A problem that stays while LATEST stays the same is real."""
+    st = scan(storage, cache)
+    cls = classify(st)
+    for _ in range(MAX_RESCANS):
+        if cls.latest_problem is None:
+            break
+        again = scan(storage, cache)
+        moved = _pointer_state(again) != _pointer_state(st)
+        st, cls = again, classify(again)
+        if not moved:
+            break
+    return cls
+
+
+def _pointer_state(st: DiskState) -> tuple[Any, ...]:
+    return (st.latest_present, st.latest, st.latest_error.message if st.latest_error is not None else None)
+
+
 def classify(st: DiskState) -> Classification:
     """Applies the protocol invariant to a scanned store. Pure apart from :func:`owner_alive`."""
     latest_cut = st.latest.cut if st.latest is not None else None

@@ -44,7 +44,7 @@ from .options import StoreOptions
 from .pending import COMMITTED, PendingCut, RankPart
 from .protocol import CommitProtocol, now_iso
 from .ranks import DEFAULT_RANK_TIMEOUT, RankFailure, RankGroup, check_all_ok, check_same, outcome
-from .recovery import Classification, Leftover, ManifestCache, classify, scan
+from .recovery import Classification, Leftover, ManifestCache, classify_now
 from .retention import PINNED_TAG, Policy, hard_keeps
 from .selection import CutSelector, choose_cut, latest_manifest, raise_io_errors, select_manifest
 from .shards import Codec
@@ -307,7 +307,7 @@ class Store:
     @pausing
     def classify(self) -> Classification:
         """What is on disk right now (see :mod:`ckptstore.recovery`)."""
-        return classify(scan(self.storage, self._manifests))
+        return classify_now(self.storage, self._manifests)
 
     def cuts(self) -> list[CutInfo]:
         """Committed cuts, ascending by step."""
