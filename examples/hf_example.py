@@ -6,6 +6,10 @@ store's latest cut (model, optimizer, scheduler, RNG, trainer state and the posi
 finishes as if it had never stopped. A finished run ends with a final cut of its last step:
 ``ckptstore resume-info STORE`` then says ``finished``. A tiny GPT-2 built from a config on random
 tokens, on the CPU: well under a minute.
+
+Several processes: ``torchrun --nproc-per-node 2 examples/hf_example.py STORE`` trains with DDP (gloo on
+the CPU), and every rank cuts its own part of each cut (``group=``: rank 0 the whole state, the
+others their RNG states) and resumes from it.
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    saver = CkptStoreCallback(args.store, every=args.every, keep=ckptstore.KeepLast(3))
+    # Under torchrun, TrainingArguments has initialized torch.distributed: every rank cuts its own part.
+    group = torch.distributed.group.WORLD if targs.world_size > 1 else None
+    saver = CkptStoreCallback(args.store, every=args.every, group=group, keep=ckptstore.KeepLast(3))
     trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(), callbacks=[saver])
     saver.trainer = trainer  # so the grad scaler (fp16 runs) is cut too
 

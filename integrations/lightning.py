@@ -26,8 +26,14 @@ its names is left.
 cannot be routed through a plugin; use :func:`load_checkpoint` (the same dict Lightning would read),
 then ``Model(**ckpt["hyper_parameters"])`` and ``model.load_state_dict(ckpt["state_dict"])``.
 
-Single process (or rank 0 of a DDP job, where Lightning saves from rank 0 only). docs/integrations.md
-has the details.
+**Several processes.** Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank 0
+only (``Strategy.save_checkpoint``; FSDP's sharded, ModelParallel's distributed and DeepSpeed's
+checkpoints bypass the CheckpointIO), and ``load_checkpoint`` on every rank. So under DDP rank 0 is
+the store's one writer and the other ranks read it, readonly, without the lock; Lightning's barrier
+after loading (``_CheckpointConnector.resume_end``) keeps those reads before rank 0's next write. No
+strategy hands every rank's part to the CheckpointIO, so there is no ``group=`` here: a collective
+Checkpointer opened by rank 0 alone would wait for ranks that never come. docs/integrations.md has
+the details.
 """
 
 from __future__ import annotations

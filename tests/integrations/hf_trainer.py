@@ -18,25 +18,26 @@ SIGKILL; ``{"event": "done", "step"}`` once the end state is in ``--out`` (torch
 optimizer and scheduler state dicts, the (step, loss) pairs of ``state.log_history`` and the RNG
 states).
 
+``--group`` (a run of several processes: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT`` set as torchrun sets them; the Trainer's DDP over gloo; with two ranks, 3 steps an
+epoch): the callback cuts with ``group=torch.distributed.group.WORLD``, every rank its own part. In a
+run of several processes each rank draws
+``rank + 1`` extra numbers from the torch RNG before every forward (as data-dependent draws would), so
+the ranks' RNG streams, and so their dropout masks, differ: a rank whose RNG came back from another
+rank's part ends elsewhere. A kill waits at a barrier first, so every rank dies at the same step; the
+end state carries the rank.
+
 ``python tests/integrations/hf_trainer.py --serve`` imports torch and transformers once (about 10 s of
-CPU, most of a run's cost) and then forks one process per run: it reads one JSON line per phase from
-stdin, ``[{"id", "argv", "log"}, ...]``, forks a process for each (``main(argv)``, stdout and stderr
-to ``log``), waits for all of them and prints ``{"event": "exited", "id", "pid", "returncode"}`` per
-run (``-9`` after a SIGKILL), then ``{"event": "phase-done"}``. Each run is still a process of its own
-that shares nothing with the others but the imported code: it builds its model, Trainer and
-Checkpointer (whose writer is a fresh interpreter) itself, and a resumed run gets its state only from
-the store.
+CPU, most of a run's cost) and then forks one process per run (tests/integrations/forkkit.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
 import sys
-from typing import Any
 
 import numpy as np
 import torch
@@ -46,14 +47,11 @@ from transformers.utils import logging as hf_logging
 
 import ckptstore
 from ckptstore.integrations.transformers import CkptStoreCallback, train
+from forkkit import say, serve
 
 SEED = 11
 SAMPLES, BATCH, SEQ = 24, 4, 16
 MAX_STEPS, EVERY = 16, 4
-
-
-def say(**doc: Any) -> None:
-    print(json.dumps(doc), flush=True)
 
 
 class RandomTokens(Dataset):
@@ -67,6 +65,16 @@ class RandomTokens(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class RankDraws:
+    """A forward pre-hook that draws ``rank + 1`` numbers from the torch RNG (and leaves the inputs)."""
+
+    def __init__(self, rank: int) -> None:
+        self.n = rank + 1
+
+    def __call__(self, module: torch.nn.Module, inputs: tuple) -> None:
+        torch.rand(self.n)
 
 
 class Killer(TrainerCallback):
@@ -90,6 +98,10 @@ class Killer(TrainerCallback):
     def _kill(self, step: int) -> None:
         h = self.saver.last_handle
         ck = self.saver.checkpointer
+        if torch.distributed.is_initialized():
+            # Every rank is past its wait: none dies while another still needs the rendezvous store
+            # (rank 0's process hosts it) to learn that the last cut committed.
+            torch.distributed.barrier()
         say(event="kill", step=step, handle_step=h.step if h else None, handle_state=h.state if h else None,
             writer_pid=ck.writer_pid if ck else None)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -101,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--kill-between", type=int, default=None)
     ap.add_argument("--kill-mid-cut", type=int, default=None)
+    ap.add_argument("--group", action="store_true", help="cut with group=WORLD (a multi-process run)")
     args = ap.parse_args(argv)
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)  # as under --serve: the same kernels, so the same bits, in every run
@@ -119,9 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         per_device_train_batch_size=BATCH, learning_rate=1e-2, warmup_steps=3, weight_decay=0.01,
         report_to=[], use_cpu=True, seed=SEED, logging_steps=1, save_strategy="no", dataloader_num_workers=0,
         disable_tqdm=True)
+    rank = targs.process_index  # TrainingArguments has initialized torch.distributed in a run of several
+    if targs.world_size > 1:
+        model.register_forward_pre_hook(RankDraws(rank))
+    group = torch.distributed.group.WORLD if args.group else None
     # nice=0: the test machine's CPUs are shared and a niced writer can starve; busy="wait": no periodic
     # cut is skipped, so the kills land where the test says. Neither is what this tests.
-    saver = CkptStoreCallback(args.url, every=EVERY, mode="process", nice=0, busy="wait")
+    saver = CkptStoreCallback(args.url, every=EVERY, group=group, mode="process", nice=0, busy="wait")
     trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(),
                       callbacks=[saver, Killer(saver, args.kill_between, args.kill_mid_cut)])
     saver.trainer = trainer
@@ -134,51 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         "losses": [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h],
         "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
         "global_step": trainer.state.global_step,
+        "rank": rank,
     }, args.out)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # rank 0 hosts the rendezvous store: it exits last
     say(event="done", step=trainer.state.global_step)
     return 0
 
 
-def serve() -> int:
-    """The fork server (module docstring): one phase per stdin line, until EOF."""
-    torch.set_num_threads(1)  # no intra-op pool before fork (libgomp's is not fork-safe); runs do the same
-    for line in sys.stdin:
-        children: dict[int, str] = {}
-        for job in json.loads(line):
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                _child(job["argv"], job["log"])
-            children[pid] = job["id"]
-        for pid, job_id in children.items():
-            _, status = os.waitpid(pid, 0)
-            say(event="exited", id=job_id, pid=pid, returncode=os.waitstatus_to_exitcode(status))
-        say(event="phase-done")
-    return 0
-
-
-def _child(argv: list[str], log: str) -> None:
-    """In a forked run: stdin from /dev/null, stdout and stderr to ``log``; never returns."""
-    code = 70
-    try:
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001 - the traceback goes to the run's log, the status says it failed
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
 if __name__ == "__main__":
-    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main())
+    sys.exit(serve(main) if sys.argv[1:] == ["--serve"] else main())

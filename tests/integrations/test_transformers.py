@@ -6,22 +6,16 @@ committed: the resume replays steps 9-10 from the middle of the second epoch), a
 after the Checkpointer took step 12's cut and before it committed (the writer process finishes it
 alone; the resume starts at the epoch boundary, or from step 8 should the rescue not have committed).
 Both killed stores are then resumed in new processes, together. The runs are forked by
-``hf_trainer.py --serve`` after it imported transformers once (see its docstring): separate processes
-that share only imported code, and the test stays within about 40 s on two shared cores. The resumed runs must end with the
+``hf_trainer.py --serve`` after it imported transformers once (tests/integrations/forkkit.py, the
+``hf_server`` fixture of conftest.py): separate processes that share only imported code, and the test
+stays within about 40 s on two shared cores. The resumed runs must end with the
 reference's model parameters, optimizer and scheduler state, RNG states and per-step losses
 (``state.log_history``), float for float; the stores must report the run finished at step 16.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,128 +28,48 @@ pytest.importorskip("accelerate")  # the Trainer needs it on torch (transformers
 from ckptstore import Store, load  # noqa: E402
 from statekit import assert_bitwise, resume_info  # noqa: E402
 
-TRAINER = Path(__file__).with_name("hf_trainer.py")
+from .forkkit import Run, Server, wait_gone  # noqa: E402
+
 MAX_STEPS, EVERY = 16, 4
 KILL_BETWEEN, KILL_MID_CUT = 10, 12
-RUN_TIMEOUT = 300  # seconds; a bound on a hang, not a clock
 
 
-class Run:
-    """One trainer run, forked by the :class:`Server`: its log (our JSON events), exit code and output."""
-
-    def __init__(self, run_id: str, url: str, out: str, *flags: str) -> None:
-        self.id, self.out, self.log = run_id, out, out + ".log"
-        self.argv = [url, "--out", out, *flags]
-        self.pid: int | None = None
-        self.returncode: int | None = None
-        self.events: list[dict[str, Any]] = []
-        self.output = ""
-
-    def exited(self, pid: int, returncode: int) -> None:
-        self.pid, self.returncode = pid, returncode
-        self.output = Path(self.log).read_text()
-        # The Trainer prints its own logs as Python dicts ({'loss': ...}); ours are JSON.
-        self.events = [json.loads(line) for line in self.output.splitlines() if line.startswith('{"')]
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] == kind]
-
-    def end_state(self) -> dict[str, Any]:
-        assert self.returncode == 0, self.output[-3000:]
-        return torch.load(self.out, weights_only=False)
+def hf_run(run_id: str, url: str, out: str, *flags: str, env: dict[str, str] | None = None) -> Run:
+    """A run of hf_trainer.py: its JSON events in ``out + ".log"``, its end state in ``out``."""
+    return Run(run_id, [url, "--out", out, *flags], out + ".log", env, out=out)
 
 
-class Server:
-    """``hf_trainer.py --serve``: imports transformers once and forks the runs of each phase together."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(TRAINER), "--serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd=str(TRAINER.parents[2]))
-        # A reader thread, not select() on the pipe: readline buffers lines that select cannot see.
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put("")  # EOF: the server died
-
-    def phase(self, *runs: Run) -> None:
-        """Starts ``runs`` at once and returns when all have exited."""
-        assert self.proc.stdin is not None
-        by_id = {r.id: r for r in runs}
-        self.proc.stdin.write(json.dumps([{"id": r.id, "argv": r.argv, "log": r.log} for r in runs]) + "\n")
-        self.proc.stdin.flush()
-        deadline = time.monotonic() + RUN_TIMEOUT  # a bound on a hang, not a clock being measured
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            assert line, f"fork server {'hung' if line is None else 'died'}; logs: " + "".join(
-                Path(r.log).read_text()[-2000:] for r in runs if os.path.exists(r.log))
-            doc = json.loads(line)
-            if doc["event"] == "phase-done":
-                return
-            by_id[doc["id"]].exited(doc["pid"], doc["returncode"])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def end_state(run: Run) -> dict[str, Any]:
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.out is not None
+    return torch.load(run.out, weights_only=False)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("hf")
-    server = Server()
-    try:
-        return _run_all(root, server)
-    finally:
-        server.close()
+def runs(tmp_path_factory, hf_server) -> dict[str, Any]:
+    return _run_all(tmp_path_factory.mktemp("hf"), hf_server)
 
 
 def _run_all(root: Path, server: Server) -> dict[str, Any]:
     url = {k: str(root / f"{k}-store") for k in ("ref", "between", "midcut")}
-    ref = Run("ref", url["ref"], str(root / "ref.pt"))
-    killed = {"between": Run("between", url["between"], str(root / "between-killed.pt"),
-                             "--kill-between", str(KILL_BETWEEN)),
-              "midcut": Run("midcut", url["midcut"], str(root / "midcut-killed.pt"), "--kill-mid-cut", str(KILL_MID_CUT))}
+    ref = hf_run("ref", url["ref"], str(root / "ref.pt"))
+    killed = {"between": hf_run("between", url["between"], str(root / "between-killed.pt"),
+                                "--kill-between", str(KILL_BETWEEN)),
+              "midcut": hf_run("midcut", url["midcut"], str(root / "midcut-killed.pt"),
+                               "--kill-mid-cut", str(KILL_MID_CUT))}
     server.phase(ref, *killed.values())
     after_kill: dict[str, Any] = {}
     for k, r in killed.items():
         kill = r.of("kill")
         assert kill, f"{k} run was not killed: {r.returncode}\n{r.output[-3000:]}"
-        _wait_gone(kill[0]["writer_pid"])  # a rescue in progress holds the writer lock until it has committed
+        wait_gone(kill[0]["writer_pid"])  # a rescue in progress holds the writer lock until it has committed
         with Store.open(url[k], readonly=True) as s:
             after_kill[k] = {"latest": s.latest(), "cuts": s.cuts(), "verify": s.verify()}
         code, after_kill[k]["resume_info"] = resume_info(url[k])
         assert code == 0, after_kill[k]["resume_info"]
-    resumed = {k: Run(f"{k}-resumed", url[k], str(root / f"{k}-resumed.pt")) for k in killed}
+    resumed = {k: hf_run(f"{k}-resumed", url[k], str(root / f"{k}-resumed.pt")) for k in killed}
     server.phase(*resumed.values())
     return {"ref": ref, "killed": killed, "after_kill": after_kill, "resumed": resumed, "url": url}
-
-
-def _wait_gone(pid: int) -> None:
-    deadline = time.monotonic() + 60  # a bound on waiting for its exit, not a clock being measured
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(pid), f"writer {pid} outlived its SIGKILLed trainer"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
 
 
 def test_reference_run_cuts_periodically_and_ends_with_a_final_cut_of_its_last_step(runs):
@@ -210,7 +124,7 @@ def test_resumed_run_starts_from_the_latest_cut_and_ends_finished(runs, kind):
 
 @pytest.mark.parametrize("kind", ["between", "midcut"])
 def test_resumed_run_ends_bitwise_identical_to_the_uninterrupted_run(runs, kind):
-    ref, got = runs["ref"].end_state(), runs["resumed"][kind].end_state()
+    ref, got = end_state(runs["ref"]), end_state(runs["resumed"][kind])
     # Every step's loss, the same float: log_history came back with the cut, and the replayed steps
     # saw the same batches, dropout masks and learning rates.
     assert [s for s, _ in ref["losses"]] == list(range(1, MAX_STEPS + 1))
@@ -223,7 +137,7 @@ def test_resumed_run_ends_bitwise_identical_to_the_uninterrupted_run(runs, kind)
 def test_the_resumed_part_changes_the_state(runs):
     """Guards the comparison: the cut the 'between' run resumed from differs from the end state."""
     at_cut = load(runs["url"]["between"], 8, keys=["model", "step"])
-    ref = runs["ref"].end_state()
+    ref = end_state(runs["ref"])
     assert at_cut["step"] == 8
     assert not all(torch.equal(v, ref["model"][k]) for k, v in at_cut["model"].items())
 
