@@ -14,8 +14,9 @@ repetition, in a rotated order, measures:
   and against the same call without files (the cut's own fixed cost: events, the hand-over);
 * the time until that cut is committed against the **disk floor**: the same bytes written with O_DIRECT
   plus fsync of the file and its directory (benchfloors.odirect_write);
-* ``Store.restore_files`` of the cut into an empty directory against writing the same files plainly
-  (write + fsync each, fsync the directories): the floor of a durable restore of many files.
+* ``Store.restore_files`` of the cut into an empty directory against reading the cut's shard plus
+  writing the same files plainly (write + fsync each, fsync the directories): what a durable restore
+  of many files cannot beat (shards are written with O_DIRECT, so the restore's read may be cold).
 
 With ``--out FILE`` the region between ``<!-- bench_attached:begin -->`` and ``<!-- bench_attached:end -->``
 of FILE is replaced (appended when missing).
@@ -37,7 +38,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 from benchfloors import odirect_write  # noqa: E402
-from benchkit import GB, Series, machine_summary, ratio, rotate, write_region  # noqa: E402
+from benchkit import GB, Series, machine_summary, ratio, read_files, rotate, write_region  # noqa: E402
 from benchstate import fmt  # noqa: E402
 from benchtargets import table  # noqa: E402
 
@@ -51,6 +52,7 @@ COMMIT = "maybe_cut(files=DIR) until committed (written, hashed, fsynced, LATEST
 DISK = "(floor) disk: the same bytes, O_DIRECT + fsync (file, dir)"
 RESTORE = "Store.restore_files into an empty directory (hashed, temp + fsync + rename each)"
 PLAIN = "(floor) write the same files plainly: write + fsync each, fsync the directories"
+SHARD = "(floor) read the cut's shard file(s), 8 MiB readinto (what a restore must read)"
 
 
 def make_files(root: str, mib: int, small: int) -> list[str]:
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.makedirs(args.scratch, exist_ok=True)
     work = tempfile.mkdtemp(prefix="attached-", dir=args.scratch)
-    t: dict[str, Series] = {name: Series() for name in (STALL, BARE, READ, COMMIT, DISK, RESTORE, PLAIN)}
+    t: dict[str, Series] = {name: Series() for name in (STALL, BARE, READ, COMMIT, DISK, RESTORE, SHARD, PLAIN)}
     try:
         src = os.path.join(work, "src")
         paths = make_files(src, args.mib, args.small)
@@ -132,16 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         url = os.path.join(work, "store")
         step = 0
         with Checkpointer(url, every=1, busy="wait") as ck:
-            ck.cut(step, {}, files=[src]).wait(120)  # writer process started, block sized
+            with_files = ck.cut(step, {}, files=[src]).wait(120).id  # writer process started, block sized
             for rep in range(args.reps):
-                for what in rotate(["cut", "bare", "read", "disk", "restore", "plain"], rep):
+                for what in rotate(["cut", "bare", "read", "disk", "restore", "shard", "plain"], rep):
                     os.sync()
                     if what == "cut":
                         step += 1
                         t0 = time.perf_counter()
                         h = ck.maybe_cut(step, {}, files=[src])
                         t[STALL].seconds.append(time.perf_counter() - t0)
-                        h.wait(600)
+                        with_files = h.wait(600).id
                         t[COMMIT].seconds.append(time.perf_counter() - t0)
                     elif what == "bare":
                         step += 1
@@ -158,9 +160,15 @@ def main(argv: list[str] | None = None) -> int:
                     elif what == "restore":
                         dst = os.path.join(work, f"restore-{rep}")
                         t0 = time.perf_counter()
-                        ck.store.restore_files(to=dst)
+                        ck.store.restore_files(with_files, to=dst)
                         t[RESTORE].seconds.append(time.perf_counter() - t0)
                         shutil.rmtree(dst)
+                    elif what == "shard":
+                        shards = [os.path.join(url, "cuts", with_files, f.name)
+                                  for f in ck.store.manifest(with_files).files]
+                        t0 = time.perf_counter()
+                        read_files(shards)
+                        t[SHARD].seconds.append(time.perf_counter() - t0)
                     else:
                         dst = os.path.join(work, f"plain-{rep}")
                         t[PLAIN].seconds.append(plain_write(paths, os.path.dirname(src), dst))
@@ -182,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         *table(["what", "seconds", "GB/s"], rows),
         "",
         f"- stall / read floor: {ratio(t[STALL].seconds, t[READ].seconds)}; commit / disk floor: "
-        f"{ratio(t[COMMIT].seconds, t[DISK].seconds)}; restore / plain durable write: "
-        f"{ratio(t[RESTORE].seconds, t[PLAIN].seconds)}",
+        f"{ratio(t[COMMIT].seconds, t[DISK].seconds)}; restore / (shard read + plain durable write): "
+        f"{ratio(t[RESTORE].seconds, [a + b for a, b in zip(t[SHARD].seconds, t[PLAIN].seconds)])}",
         *[f"- {line}" for line in machine_summary(REPO)],
     ])
     print(body)

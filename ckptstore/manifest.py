@@ -139,7 +139,7 @@ def _check_attached(attached: list[AttachedFile], files: list[FileRecord], tenso
     """Every attached file is a 1-D ``uint8`` array of its rank with its size; paths are restorable."""
     if not attached:
         return
-    check_listing(attached)
+    check_listing((a.rank, a.path) for a in attached)
     rank_of = {f.name: f.rank for f in files}
     arrays = {(rank_of.get(t.file), t.name): t for t in tensors}
     for a in attached:
