@@ -45,7 +45,7 @@ from typing import Any, Iterable
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ckptstore import CkptStoreError, Store, StoreOptions, UsageError
-from ckptstore.errors import StepConflict
+from ckptstore.errors import StepConflict, StoreNotFound
 
 log = logging.getLogger("ckptstore.integrations.lightning")
 
@@ -194,6 +194,11 @@ class CkptStoreCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         root, name = split_path(path)
+        if root not in self._stores:
+            try:  # nothing saved there: no store to create just to find the name missing
+                Store.open(root, readonly=True, options=self.store_options).close()
+            except StoreNotFound:
+                return
         store = self._writer(root)
         cut = store.unlabel(name)
         if cut is not None:

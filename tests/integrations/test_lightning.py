@@ -131,3 +131,10 @@ def test_resuming_from_an_older_path_and_training_on(runs, tmp_path):
     ref = runs["ref"].state_dict()
     assert all(torch.equal(ref[k], v) for k, v in model.state_dict().items())  # same steps, same result
     assert cli(["verify", url]) == 0
+
+
+def test_removing_a_name_from_a_directory_without_a_store_creates_nothing(tmp_path):
+    io = CkptStoreCheckpointIO()
+    io.remove_checkpoint(str(tmp_path / "never-saved" / "epoch=0-step=4.ckpt"))
+    io.teardown()
+    assert not (tmp_path / "never-saved").exists()
