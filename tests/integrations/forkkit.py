@@ -166,29 +166,3 @@ class Server:
                 self.proc.wait()
 
 
-def wait_gone(pid: int, timeout: float = 60) -> None:
-    """Waits (bounded) until process ``pid`` has exited: a SIGKILLed trainer's writer may still hold the
-    store's writer lock while it finishes a handed-over cut."""
-    deadline = time.monotonic() + timeout  # a bound on waiting for its exit, not a clock being measured
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(pid), f"process {pid} still alive after {timeout} s"
-
-
-def alive(pid: int) -> bool:
-    """True while any thread of ``pid`` runs. A multithreaded process's leader shows "Z" as soon as its
-    own thread exited, while the others may still hold the process's files (a flocked writer lock among
-    them); so every task counts (as tests/writer/writerkit.py's ``has_exited``)."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
-        return False
-    return any(_state(f"/proc/{pid}/task/{t}/stat") not in (None, "Z", "X") for t in tasks)
-
-
-def _state(stat_path: str) -> str | None:
-    try:
-        stat = Path(stat_path).read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return stat[stat.rindex(")") + 2]

@@ -26,7 +26,7 @@ import ckptstore
 from ckptstore.cli import main as cli
 from statekit import assert_bitwise, resume_info
 
-from .forkkit import wait_gone
+from prockit import wait_gone
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RUN_TIMEOUT = 120  # seconds for one run of an example; a bound on a hang, not a clock

@@ -28,7 +28,9 @@ pytest.importorskip("accelerate")  # the Trainer needs it on torch (transformers
 from ckptstore import Store, load  # noqa: E402
 from statekit import assert_bitwise, resume_info  # noqa: E402
 
-from .forkkit import Run, Server, wait_gone  # noqa: E402
+from prockit import wait_gone  # noqa: E402
+
+from .forkkit import Run, Server  # noqa: E402
 
 MAX_STEPS, EVERY = 16, 4
 KILL_BETWEEN, KILL_MID_CUT = 10, 12

@@ -28,7 +28,9 @@ from ckptstore import Store  # noqa: E402
 from ckptstore.integrations.transformers import CUT_KEYS, RANK_PART_KEYS, resume_dir  # noqa: E402
 from statekit import assert_bitwise, resume_info  # noqa: E402
 
-from .forkkit import Run, free_port, rank_env, wait_gone  # noqa: E402
+from prockit import wait_gone  # noqa: E402
+
+from .forkkit import Run, free_port, rank_env  # noqa: E402
 from .test_transformers import end_state, hf_run  # noqa: E402
 
 WORLD, MAX_STEPS, KILL_AT = 2, 16, 10

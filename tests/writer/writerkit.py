@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ckptstore import Store
+from prockit import has_exited, proc_state, proc_state_of_task  # noqa: F401 - re-exported for the tests
 
 from fault_worker import inject as inject_fault  # noqa: E402,F401 - re-exported for the tests
 
@@ -125,37 +126,6 @@ def wait_until(pred: Callable[[], bool], timeout: float = BOUND, what: str = "co
 
 
 # ------------------------------------------------------------------------------------------ /proc
-def proc_state(pid: int) -> str | None:
-    """The one-letter state of ``pid`` from /proc (``Z`` for a zombie), or None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return stat[stat.rindex(")") + 2]
-
-
-def has_exited(pid: int) -> bool:
-    """True once ``pid`` runs no more: gone, or a zombie waiting for a parent that may never reap it
-    (an orphan's new parent here is PID 1, which is not an init that reaps). Every thread counts: a
-    multithreaded process's leader shows "Z" as soon as its own thread exited, while the others may
-    still be exiting and still hold the process's files (a flocked writer lock among them)."""
-    if proc_state(pid) not in (None, "Z", "X"):
-        return False
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
-        return True
-    return all(proc_state_of_task(pid, t) in (None, "Z", "X") for t in tasks)
-
-
-def proc_state_of_task(pid: int, tid: str) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return stat[stat.rindex(")") + 2]
-
-
 def proc_nice(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()
