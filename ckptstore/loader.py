@@ -15,7 +15,7 @@ from .arrays import empty_for, finish_tensor
 from .attached import AttachedFile
 from .errors import CorruptCut, UsageError
 from .storage import Storage
-from .manifest import Manifest, TensorRecord
+from .manifest import FileRecord, Manifest, TensorRecord
 from .shards import check_header_matches, read_header, read_shard_into, read_tensor_range
 from .tree import leaf_names, unflatten
 from .values import allowed_map
@@ -78,16 +78,7 @@ def load_manifest(
                 read_tensor_range(storage, m.cut, rec, header, t, view, verify=verify)
                 objs[t.name] = obj
             continue
-
-        def dest(t: TensorRecord, path: str = f"cuts/{m.cut}/{rec.name}") -> memoryview | None:
-            if t.name in needed:
-                obj, view = _allocate(t, {**where, "path": path})
-                objs[t.name] = obj
-                return view
-            return None  # read and checked through a bounded buffer, then dropped
-
-        read_shard_into(storage, m.cut, rec, in_file, dest, format_version=m.format_version, verify=verify,
-                        reuses_buffers=len(wanted) < len(in_file))
+        _read_shard(storage, m, rec, in_file, needed, objs, verify=verify, reuses_buffers=len(wanted) < len(in_file))
         if _on_device(map_location):
             # Move this shard's tensors now, so host memory holds at most one shard (max_shard_bytes)
             # at a time instead of the whole state.
@@ -118,24 +109,31 @@ def load_manifest(
 def read_attached(storage: Storage, m: Manifest, *, verify: bool = True) -> list[tuple[AttachedFile, Any]]:
     """The attached files of one rank's part ``m`` with their bytes (numpy ``uint8`` arrays), in manifest
     order, each hashed while it is read like any array. Shards holding none are not opened."""
-    where = {"store": storage.url, "cut": m.cut}
     wanted = {a.array for a in m.attached}
     objs: dict[str, Any] = {}
     for rec in m.files:
         in_file = [t for t in m.tensors if t.file == rec.name]
-        if not any(t.name in wanted for t in in_file):
-            continue
-
-        def dest(t: TensorRecord, path: str = f"cuts/{m.cut}/{rec.name}") -> memoryview | None:
-            if t.name in wanted:
-                obj, view = _allocate(t, {**where, "path": path})
-                objs[t.name] = obj
-                return view
-            return None
-
-        read_shard_into(storage, m.cut, rec, in_file, dest, format_version=m.format_version, verify=verify,
-                        reuses_buffers=True)
+        if any(t.name in wanted for t in in_file):
+            _read_shard(storage, m, rec, in_file, wanted, objs, verify=verify, reuses_buffers=True)
     return [(a, objs[a.array]) for a in m.attached]
+
+
+def _read_shard(storage: Storage, m: Manifest, rec: FileRecord, in_file: list[TensorRecord], wanted: set[str],
+                objs: dict[str, Any], *, verify: bool, reuses_buffers: bool) -> None:
+    """Streams shard ``rec`` once: each array named in ``wanted`` lands in a new array of ``objs``; the
+    others are read and checked through a bounded buffer, then dropped."""
+    path = f"cuts/{m.cut}/{rec.name}"
+    where = {"store": storage.url, "cut": m.cut, "path": path}
+
+    def dest(t: TensorRecord) -> memoryview | None:
+        if t.name in wanted:
+            obj, view = _allocate(t, where)
+            objs[t.name] = obj
+            return view
+        return None
+
+    read_shard_into(storage, m.cut, rec, in_file, dest, format_version=m.format_version, verify=verify,
+                    reuses_buffers=reuses_buffers)
 
 
 def _allocate(t: TensorRecord, where: dict[str, Any]) -> tuple[Any, memoryview]:
