@@ -96,6 +96,15 @@ class Run:
         self.events: list[dict[str, Any]] = []
         self.output = ""
 
+    def end_state(self) -> Any:
+        """The end state the run wrote to ``out`` (a file of the test's own run, so torch.load may
+        unpickle); fails with the run's log unless it exited 0."""
+        import torch
+
+        assert self.returncode == 0, self.output[-4000:]
+        assert self.out is not None
+        return torch.load(self.out, weights_only=False)
+
     def exited(self, pid: int, returncode: int) -> None:
         self.pid, self.returncode = pid, returncode
         self.output = Path(self.log).read_text()

@@ -39,12 +39,6 @@ def job(name: str, root: Path, dirpath: str, *flags: str) -> list[Run]:
             for r in range(WORLD)]
 
 
-def end_state(run: Run) -> dict[str, Any]:
-    assert run.returncode == 0, run.output[-4000:]
-    assert run.out is not None
-    return torch.load(run.out, weights_only=False)
-
-
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory, lightning_server) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("lightning-ddp")
@@ -56,8 +50,8 @@ def fits(tmp_path_factory, lightning_server) -> dict[str, Any]:
         assert run.returncode == 0, run.output[-4000:]
     resumed = job("resumed", root, run_dir, "--max-steps", "16", "--ckpt-path", os.path.join(run_dir, "last.ckpt"))
     lightning_server.phase(*resumed)
-    return {"ref": [end_state(r) for r in ref], "first": [end_state(r) for r in first],
-            "resumed": [end_state(r) for r in resumed], "run_dir": run_dir}
+    return {"ref": [r.end_state() for r in ref], "first": [r.end_state() for r in first],
+            "resumed": [r.end_state() for r in resumed], "run_dir": run_dir}
 
 
 def test_a_ddp_fit_resumed_from_last_ckpt_ends_bitwise_like_an_uninterrupted_one_on_both_ranks(fits):

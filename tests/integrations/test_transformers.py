@@ -41,12 +41,6 @@ def hf_run(run_id: str, url: str, out: str, *flags: str, env: dict[str, str] | N
     return Run(run_id, [url, "--out", out, *flags], out + ".log", env, out=out)
 
 
-def end_state(run: Run) -> dict[str, Any]:
-    assert run.returncode == 0, run.output[-3000:]
-    assert run.out is not None
-    return torch.load(run.out, weights_only=False)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, hf_server) -> dict[str, Any]:
     return _run_all(tmp_path_factory.mktemp("hf"), hf_server)
@@ -126,7 +120,7 @@ def test_resumed_run_starts_from_the_latest_cut_and_ends_finished(runs, kind):
 
 @pytest.mark.parametrize("kind", ["between", "midcut"])
 def test_resumed_run_ends_bitwise_identical_to_the_uninterrupted_run(runs, kind):
-    ref, got = end_state(runs["ref"]), end_state(runs["resumed"][kind])
+    ref, got = runs["ref"].end_state(), runs["resumed"][kind].end_state()
     # Every step's loss, the same float: log_history came back with the cut, and the replayed steps
     # saw the same batches, dropout masks and learning rates.
     assert [s for s, _ in ref["losses"]] == list(range(1, MAX_STEPS + 1))
@@ -139,7 +133,7 @@ def test_resumed_run_ends_bitwise_identical_to_the_uninterrupted_run(runs, kind)
 def test_the_resumed_part_changes_the_state(runs):
     """Guards the comparison: the cut the 'between' run resumed from differs from the end state."""
     at_cut = load(runs["url"]["between"], 8, keys=["model", "step"])
-    ref = end_state(runs["ref"])
+    ref = runs["ref"].end_state()
     assert at_cut["step"] == 8
     assert not all(torch.equal(v, ref["model"][k]) for k, v in at_cut["model"].items())
 

@@ -31,7 +31,7 @@ from statekit import assert_bitwise, resume_info  # noqa: E402
 from prockit import wait_gone  # noqa: E402
 
 from .forkkit import Run, free_port, rank_env  # noqa: E402
-from .test_transformers import end_state, hf_run  # noqa: E402
+from .test_transformers import hf_run  # noqa: E402
 
 WORLD, MAX_STEPS, KILL_AT = 2, 16, 10
 
@@ -87,12 +87,12 @@ def test_reference_store_holds_one_cut_of_both_ranks_per_cut_step_rank_0_the_who
 def test_resumed_job_ends_bitwise_identical_to_the_reference_on_every_rank(ddp):
     for ref_run, got_run in zip(ddp["ref"], ddp["resumed"]):
         assert got_run.of("start")[0]["resume_step"] == 8
-        ref, got = end_state(ref_run), end_state(got_run)
+        ref, got = ref_run.end_state(), got_run.end_state()
         assert ref["rank"] == got["rank"]
         assert [s for s, _ in ref["losses"]] == list(range(1, MAX_STEPS + 1)) and got["losses"] == ref["losses"]
         for key in ("model", "optimizer", "scheduler", "rng"):
             assert_bitwise(ref[key], got[key], f"rank {ref['rank']} {key}")
-    ranks = [end_state(r) for r in ddp["resumed"]]
+    ranks = [r.end_state() for r in ddp["resumed"]]
     assert_bitwise(ranks[0]["model"], ranks[1]["model"], "DDP replicas")
     assert not torch.equal(ranks[0]["rng"]["torch"], ranks[1]["rng"]["torch"])  # each rank's own stream
     code, doc = resume_info(ddp["url"]["killed"])
