@@ -120,6 +120,24 @@ def _point_latest_at(root: str, cut: str) -> None:
         f.write(ptr.to_bytes())
 
 
+def attach_src() -> str:
+    """Files attached to cuts in the sweep (a small directory of two files), made once."""
+    src = os.path.join(_base_dir(), "attach-src")
+    if not os.path.isdir(src):
+        os.makedirs(os.path.join(src, "journal"))
+        with open(os.path.join(src, "config.yaml"), "w") as f:
+            f.write("lr: 0.1\n")
+        with open(os.path.join(src, "journal", "000.log"), "wb") as f:
+            f.write(bytes(range(256)) * 40)
+    return src
+
+
+def _build_with_files(root: str) -> Template:
+    """Cuts 1..2, each with the files of :func:`attach_src` attached."""
+    with Store.open(root, create=True) as store:
+        return Template(root, {s: store.save(state(s), step=s, files=[attach_src()]).id for s in (1, 2)})
+
+
 def _build_plain(steps: list[int], pinned: tuple[int, ...] = ()) -> Callable[[str], Template]:
     return lambda root: Template(root, _save_cuts(root, steps, pinned=pinned))
 
@@ -169,6 +187,7 @@ BUILDERS: dict[str, Callable[[str], Template]] = {
     "cuts-1-3": _build_plain([1, 2, 3]),
     "no-latest": _build_no_latest,
     "leftovers": _build_leftovers,
+    "files-1-2": _build_with_files,
 }
 
 
@@ -310,6 +329,43 @@ def op_load_readonly(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
     return out
 
 
+def op_save_files(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
+    """save(step=3, files=...) under the fault: a cut with attached files commits whole or not at all."""
+    out = Outcome(expect=dict(tpl.cuts))
+    storage = _faulty(root, plan)
+    store = Store.open(storage)
+    try:
+        _under_fault(storage, out, lambda: store.save(state(3), step=3, files=[attach_src()]))
+        if out.error is None:
+            out.expect[3] = out.result.id
+    finally:
+        store.close()
+    return out
+
+
+def op_restore_files(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
+    """restore_files of LATEST's cut into an empty directory (readonly open and restore under the fault):
+    it restores every file exactly or raises, and a file it leaves behind is never torn."""
+    out = Outcome(expect=dict(tpl.cuts), no_bad=True)
+    storage = _faulty(root, plan)
+    dest = os.path.join(os.path.dirname(root), "restored")
+
+    def run() -> Any:
+        with Store.open(storage, readonly=True) as store:
+            return store.restore_files(to=dest)
+
+    _under_fault(storage, out, run)
+    src = os.path.join(attach_src(), "..")
+    for rel in ("attach-src/config.yaml", "attach-src/journal/000.log"):
+        got = os.path.join(dest, rel)
+        if os.path.exists(got):
+            if open(got, "rb").read() != open(os.path.join(src, rel), "rb").read():
+                out.problems.append(f"restore_files left a torn or wrong {rel}")
+        elif out.error is None:
+            out.problems.append(f"restore_files returned without writing {rel}")
+    return out
+
+
 OPS: dict[str, tuple[Callable[[str, Template, FaultPlan], Outcome], str]] = {
     "save": (op_save, "cuts-1-2"),
     "prune": (op_prune, "cuts-1-5"),
@@ -318,6 +374,8 @@ OPS: dict[str, tuple[Callable[[str, Template, FaultPlan], Outcome], str]] = {
     "repair": (op_repair, "no-latest"),
     "load-writer": (op_load_writer, "cuts-1-3"),
     "load-readonly": (op_load_readonly, "cuts-1-3"),
+    "save-files": (op_save_files, "files-1-2"),
+    "restore-files": (op_restore_files, "files-1-2"),
 }
 
 
