@@ -250,34 +250,91 @@ def close_sources(sources: Iterable[Source]) -> None:
 
 
 # --------------------------------------------------------------------------------------- restore side
-def write_files(files: Sequence[tuple[AttachedFile, Any]], to: str, *, overwrite: bool,
-                where: dict[str, Any]) -> list[str]:
-    """Writes each (record, bytes) under ``to`` (created if missing) and returns the paths written.
-    Each file is written to a temporary name, fsynced and renamed into place, so a crash leaves the old
-    file or the new one. Directories under ``to`` are entered without following symlinks, so a stored
-    path can never lead outside ``to``. Without ``overwrite`` an existing file is refused (all of them
-    named, before anything is written)."""
-    os.makedirs(to, exist_ok=True)
-    root = os.open(to, os.O_RDONLY | os.O_DIRECTORY)
-    dirs: dict[tuple[str, ...], int] = {(): root}  # each directory entered once, fsynced once at the end
-    written: list[str] = []
-    try:
+class Restorer:
+    """Writes attached files under ``to`` as their bytes stream in, and puts them in place only once all
+    were read and verified (:meth:`commit`): each goes to a temporary name beside its final one, is
+    fsynced, and is renamed over it in ``commit``; ``abort`` removes the temporary files. So a damaged
+    shard, a failed read or a crash leaves every file old or new, never torn, and memory stays bounded
+    whatever the files' sizes. Directories under ``to`` are entered with ``O_NOFOLLOW``, so a stored path
+    can never lead outside ``to``. Use as a context manager: leaving it without ``commit`` aborts."""
+
+    def __init__(self, files: Sequence[AttachedFile], to: str, *, overwrite: bool, where: dict[str, Any]) -> None:
+        self.to, self.where = to, where
+        os.makedirs(to, exist_ok=True)
+        root = os.open(to, os.O_RDONLY | os.O_DIRECTORY)
+        self._dirs: dict[tuple[str, ...], int] = {(): root}  # entered once, fsynced once in commit
+        self._temps: list[tuple[int, str, str, str]] = []  # (dir fd, temp name, final name, shown path)
+        self._fd = -1
+        self._committed = False
         if not overwrite:
-            exist = [f.path for f, _ in files if _exists_under(root, f.path)]
+            exist = [f.path for f in files if _exists_under(root, f.path)]
             if exist:
+                self.abort()
                 raise UsageError(f"{len(exist)} file(s) to restore exist under {to}: {exist[:5]}", path=to, **where,
                                  hint="pass overwrite=True to replace them")
-        for rec, data in files:
-            parts = rec.path.split("/")
-            _replace(_enter_dirs(dirs, tuple(parts[:-1]), to, where), parts[-1], data, os.path.join(to, rec.path),
-                     where)
-            written.append(os.path.join(to, *parts))
-        for fd in dirs.values():
+
+    def __enter__(self) -> "Restorer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._committed:
+            self.abort()
+
+    def begin(self, rec: AttachedFile) -> None:
+        """Starts the file ``rec``: a new temporary file beside where it goes."""
+        parts = rec.path.split("/")
+        shown = os.path.join(self.to, *parts)
+        dfd = _enter_dirs(self._dirs, tuple(parts[:-1]), self.to, self.where)
+        try:
+            if stat.S_ISDIR(os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False).st_mode):
+                raise UsageError(f"cannot restore {shown}: a directory is in the way", path=shown, **self.where)
+        except FileNotFoundError:
+            pass
+        tmp = f".{parts[-1][:200]}.ckptstore-restore-{os.getpid()}-{len(self._temps)}"
+        self._fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
+        self._temps.append((dfd, tmp, parts[-1], shown))
+
+    def write(self, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            done += os.write(self._fd, data[done:])
+
+    def end(self) -> None:
+        """The file is complete (not yet verified): made durable under its temporary name."""
+        fd, self._fd = self._fd, -1
+        try:
             os.fsync(fd)
-    finally:
-        for fd in dirs.values():
+        finally:
             os.close(fd)
-    return written
+
+    def commit(self) -> list[str]:
+        """Every file was read and verified: each temporary file replaces its final name, then every
+        directory is fsynced. Returns the paths written, in the order they came."""
+        for dfd, tmp, name, _shown in self._temps:
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        for fd in self._dirs.values():
+            os.fsync(fd)
+        self._committed = True
+        written = [shown for _, _, _, shown in self._temps]
+        self._close()
+        return written
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        for dfd, tmp, _name, _shown in self._temps:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+        self._temps.clear()
+        self._close()
+
+    def _close(self) -> None:
+        for fd in self._dirs.values():
+            os.close(fd)
+        self._dirs.clear()
 
 
 def _exists_under(root: int, path: str) -> bool:
@@ -306,33 +363,5 @@ def _enter_dirs(dirs: dict[tuple[str, ...], int], parts: tuple[str, ...], to: st
     return fd
 
 
-def _replace(dfd: int, name: str, data: Any, shown: str, where: dict[str, Any]) -> None:
-    try:
-        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            raise UsageError(f"cannot restore {shown}: a directory is in the way", path=shown, **where)
-    except FileNotFoundError:
-        pass
-    tmp = f".{name[:200]}.ckptstore-restore-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
-    try:
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except OSError:
-            pass
-        raise
-
-
 __all__ = ["AttachedFile", "FILES_PREFIX", "FilesArg", "Source", "array_name", "check_path", "open_sources",
-           "close_sources", "write_files"]
+           "close_sources", "Restorer"]

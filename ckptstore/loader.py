@@ -12,7 +12,7 @@ import sys
 from typing import Any, Sequence
 
 from .arrays import empty_for, finish_tensor
-from .attached import AttachedFile
+from .attached import AttachedFile, Restorer
 from .errors import CorruptCut, UsageError
 from .storage import Storage
 from .manifest import FileRecord, Manifest, TensorRecord
@@ -55,7 +55,7 @@ def load_manifest(
     if keys is None:
         # A whole load reads every array; a tree naming one the manifest lacks fails in leaf() below
         # (walking a tree of 40,000 leaves twice cost 6% of such a load). Attached files are not state:
-        # their bytes are checked through a bounded buffer and dropped (``read_attached`` returns them).
+        # their bytes are checked through a bounded buffer and dropped (``restore_attached`` writes them out).
         needed = set(index) - {a.array for a in m.attached} if m.attached else set(index)
     else:
         needed = set(leaf_names(tree))
@@ -106,16 +106,38 @@ def load_manifest(
     return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where, records=index, allowed_types=allowed)
 
 
-def read_attached(storage: Storage, m: Manifest, *, verify: bool = True) -> list[tuple[AttachedFile, Any]]:
-    """The attached files of one rank's part ``m`` with their bytes (numpy ``uint8`` arrays), in manifest
-    order, each hashed while it is read like any array. Shards holding none are not opened."""
-    wanted = {a.array for a in m.attached}
-    objs: dict[str, Any] = {}
+def restore_attached(storage: Storage, m: Manifest, restorer: Restorer, *, verify: bool = True) -> None:
+    """Streams the attached files of one rank's part ``m`` into ``restorer`` (each hashed while read, through
+    one bounded buffer); the caller commits it once this returned. Shards holding none are not opened."""
+    by_array = {a.array: a for a in m.attached}
+    sink = _AttachedSink(by_array, restorer)
     for rec in m.files:
         in_file = [t for t in m.tensors if t.file == rec.name]
-        if any(t.name in wanted for t in in_file):
-            _read_shard(storage, m, rec, in_file, wanted, objs, verify=verify, reuses_buffers=True)
-    return [(a, objs[a.array]) for a in m.attached]
+        if any(t.name in by_array for t in in_file):
+            read_shard_into(storage, m.cut, rec, in_file, lambda t: None, format_version=m.format_version,
+                            verify=verify, reuses_buffers=True, sink=sink)
+
+
+class _AttachedSink:
+    """Passes the bytes of attached-file arrays to the restorer and ignores the state's arrays."""
+
+    def __init__(self, by_array: dict[str, AttachedFile], restorer: Restorer) -> None:
+        self.by_array, self.restorer, self.active = by_array, restorer, False
+
+    def begin(self, t: TensorRecord) -> None:
+        rec = self.by_array.get(t.name)
+        self.active = rec is not None
+        if rec is not None:
+            self.restorer.begin(rec)
+
+    def write(self, piece: memoryview) -> None:
+        if self.active:
+            self.restorer.write(piece)
+
+    def end(self, t: TensorRecord) -> None:
+        if self.active:
+            self.restorer.end()
+        self.active = False
 
 
 def _read_shard(storage: Storage, m: Manifest, rec: FileRecord, in_file: list[TensorRecord], wanted: set[str],

@@ -18,7 +18,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Iterable, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Protocol, Sequence
 
 import zstandard
 
@@ -432,6 +432,15 @@ def check_header_matches(header: ShardHeader, tensors: Iterable[TensorRecord], w
             raise CorruptCut(f"tensor {t.name!r}: header dtype/shape disagree with manifest", **where)
 
 
+class ArraySink(Protocol):
+    """Where :func:`read_shard_into` hands each array's bytes as they are read (unverified until it
+    returns)."""
+
+    def begin(self, t: TensorRecord) -> None: ...
+    def write(self, piece: memoryview) -> None: ...
+    def end(self, t: TensorRecord) -> None: ...
+
+
 def read_shard_into(
     storage: Storage,
     cut: str,
@@ -443,6 +452,7 @@ def read_shard_into(
     verify: bool = True,
     on_bytes: Callable[[int], None] | None = None,
     reuses_buffers: bool = False,
+    sink: ArraySink | None = None,
 ) -> None:
     """Streams a whole shard, reading each array's bytes straight into ``dest(record)``; checks the
     file's size, then the header against the manifest, the file's lengths and (with ``verify``) its
@@ -451,7 +461,9 @@ def read_shard_into(
     overlaps the next read on a helper thread unless ``reuses_buffers`` says ``dest`` hands out the
     same memory twice (then a chunk could change before it is hashed). ``dest`` returning None reads
     that array through one reused buffer of at most ``PIECE`` bytes (verify: memory stays bounded
-    whatever the arrays' sizes); it needs ``reuses_buffers``."""
+    whatever the arrays' sizes); it needs ``reuses_buffers``. ``sink`` sees every array's bytes piece by
+    piece as they are read (``begin``, ``write`` of each piece, ``end``): its bytes are verified only
+    when this returns."""
     rel = layout.cut_file(cut, record.name)
     where = {"store": storage.url, "cut": cut, "path": rel}
     v2 = format_version >= 2
@@ -479,13 +491,19 @@ def read_shard_into(
                     scratch = memoryview(bytearray(min(PIECE, max(x.nbytes for x in ordered))))
             if hashes is not None:
                 hashes.begin(t)
+            if sink is not None:
+                sink.begin(t)
             for start in range(0, t.nbytes, PIECE):
                 piece = view[start : start + PIECE] if view is not None else scratch[: min(PIECE, t.nbytes - start)]
                 stream.readinto_exact(piece)
                 if hashes is not None:
                     hashes.update(piece)
+                if sink is not None:
+                    sink.write(piece)
                 if on_bytes is not None:
                     on_bytes(len(piece))
+            if sink is not None:
+                sink.end(t)
             if hashes is not None:
                 hashes.end(t)
         stream.finish()

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 
 from . import hashing, layout
 from .arrays import ArrayItem, describe, resolve_map_location
-from .attached import AttachedFile, FilesArg, close_sources, open_sources, write_files
+from .attached import AttachedFile, FilesArg, Restorer, close_sources, open_sources
 from .errors import (
     CorruptCut,
     CutNotFound,
@@ -35,7 +35,7 @@ from .events import Emitter, log
 from .gcpause import pausing
 from .info import CutInfo
 from .latest import StoreIdentity
-from .loader import load_manifest, read_attached
+from .loader import load_manifest, restore_attached
 from .lock import WriterLock
 from .manifest import Manifest
 from .labels import MAX_LABEL, Label, label_path
@@ -358,13 +358,16 @@ class Store:
         hashed while read, written to a temporary name, fsynced and renamed into place. Files under
         ``to`` the cut does not hold are left alone. ``rank`` as in :meth:`load` (a store opened with
         ``group=`` restores its own rank's). Without ``overwrite`` existing files are refused, all
-        named, before anything is written."""
+        named, before anything is written. The files stream through a bounded buffer into temporary
+        files that replace the old ones only once every byte was read and verified (a damaged cut
+        changes nothing under ``to``)."""
         if rank is None and self.ranks is not None:
             rank = self.ranks.rank
         m = rank_manifest(self.manifest(cut), rank, self.url)
         where = {"store": self.url, "cut": m.cut}
-        files = read_attached(self.storage, m, verify=verify)
-        return write_files(files, os.fspath(to), overwrite=overwrite, where=where)
+        with Restorer(m.attached, os.fspath(to), overwrite=overwrite, where=where) as restorer:
+            restore_attached(self.storage, m, restorer, verify=verify)
+            return restorer.commit()
 
     def choose(self, *, fallback: bool) -> tuple[CutInfo | None, dict[str, str]]:
         """The cut to resume from (see :func:`ckptstore.selection.choose_cut`); with ``fallback`` the

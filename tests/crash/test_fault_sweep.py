@@ -363,6 +363,9 @@ def op_restore_files(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
                 out.problems.append(f"restore_files left a torn or wrong {rel}")
         elif out.error is None:
             out.problems.append(f"restore_files returned without writing {rel}")
+    left = [f for _d, _s, fs in os.walk(dest) for f in fs if ".ckptstore-restore-" in f]
+    if left:
+        out.problems.append(f"restore_files left temporary files behind: {left}")
     return out
 
 

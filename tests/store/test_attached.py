@@ -108,11 +108,14 @@ def test_a_damaged_attached_file_fails_verify_and_restore_by_name(store, src, tm
     flip_byte(shard, open(shard, "rb").read().index(payload) + 5)
     report = store.verify()
     assert not report.ok and any(f.cut == cut for f in report.findings)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.txt").write_text("the run's own journal\n")
     with pytest.raises(CorruptCut) as ei:
-        store.restore_files(to=str(tmp_path / "out"))
+        store.restore_files(to=str(out))
     assert cut in str(ei.value) and "~files/journal.txt" in str(ei.value), str(ei.value)
-    # Nothing half-written is left where the files go.
-    assert not os.path.exists(tmp_path / "out" / "journal.txt")
+    # The damaged bytes never replace anything, and no temporary file is left behind.
+    assert os.listdir(out) == ["journal.txt"] and (out / "journal.txt").read_text() == "the run's own journal\n"
 
 
 @pytest.mark.parametrize("path", ["../escape", "/etc/passwd", "a/../../b", "a//b", "./a", "a\\b", "a\x00b", ""])
@@ -253,6 +256,38 @@ def test_restore_puts_the_files_back_with_the_state(tmp_path, src):
     assert torch.equal(fresh.weight, model.weight)
     assert open(tmp_path / "work" / "ledger" / "journal" / "000.log").read() == (
         "opened shard 0\nstep 1 done\nstep 2 done\n")
+
+
+RSS_CHILD = """
+import resource, sys
+import ckptstore
+store = ckptstore.Store.open(sys.argv[1], readonly=True)
+store.manifest()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+store.restore_files(to=sys.argv[2])
+print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_restoring_a_large_file_streams_it_through_bounded_memory(store, tmp_path):
+    """A 160 MiB attached file is restored through the reader's 8 MiB buffer: the restoring process's
+    peak RSS grows by far less than the file (measured in a child process, in KiB)."""
+    import subprocess
+    import sys
+
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        for i in range(20):
+            f.write(bytes([i]) * (8 << 20))
+    store.save({"w": np.zeros(2)}, step=1, files=[str(big)])
+    out = subprocess.run([sys.executable, "-c", RSS_CHILD, store.storage.local_path(""), str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = map(int, out.stdout.split())
+    assert after - before < 48 * 1024, f"peak RSS grew by {(after - before) // 1024} MiB restoring 160 MiB"
+    assert (tmp_path / "out" / "big.bin").stat().st_size == 160 << 20
+    with open(tmp_path / "out" / "big.bin", "rb") as f:
+        assert all(f.read(8 << 20) == bytes([i]) * (8 << 20) for i in range(20))
 
 
 def test_attached_files_go_with_their_cut_when_it_is_pruned(store, src):
