@@ -37,6 +37,7 @@ import filelock
 from . import layout
 from .errors import StorageError, StoreLocked, UsageError
 from .storage import ConditionFailed, Storage
+from .events import log
 from .protocol import now_iso
 
 DEFAULT_LEASE_TTL_S = 30.0
@@ -52,9 +53,32 @@ def read_holder(storage: Storage, rel: str) -> dict[str, Any]:
         return {}
 
 
+#: How long a writer open waits, by default, for the writer process of a dead trainer that still holds
+#: the lock while it finishes the cut it was handed (ckptstore.rescue).
+DEFAULT_ORPHAN_WAIT_S = 300.0
+_POLL_S = 0.05
+
+
+def orphaned_holder(holder: dict[str, Any]) -> bool:
+    """Whether the lock's recorded holder is a process of this host that is gone: the lock is then held
+    by a process that inherited it, the writer process finishing a dead trainer's handed-over cut."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive, another user's
+    return False
+
+
 class WriterLock:
-    def __init__(self, storage: Storage, lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+    def __init__(self, storage: Storage, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+                 orphan_wait_s: float = DEFAULT_ORPHAN_WAIT_S) -> None:
         self.storage = storage
+        self.orphan_wait_s = orphan_wait_s
         self._lock: filelock.BaseFileLock | None = None
         self._lease: Lease | None = None
         self.lease_ttl_s = lease_ttl_s
@@ -65,6 +89,40 @@ class WriterLock:
         here belong to dead writers)."""
         caps = self.storage.capabilities
         return caps.local_paths or caps.conditional_writes
+
+    def _flock(self, lock: filelock.BaseFileLock) -> None:
+        """Takes the flock, or raises ``StoreLocked`` naming the holder. A holder that is a dead process
+        of this host (its writer process inherited the lock and is finishing its last cut) is waited
+        for, up to ``orphan_wait_s``: a trainer killed and started again at once then resumes from that
+        cut instead of failing."""
+        deadline: float | None = None
+        while True:
+            try:
+                lock.acquire(timeout=0)
+                return
+            except filelock.Timeout:
+                pass
+            holder = read_holder(self.storage, layout.WRITER_FILE)
+            orphaned = orphaned_holder(holder)
+            if orphaned and deadline is None and self.orphan_wait_s > 0:
+                deadline = time.monotonic() + self.orphan_wait_s
+                log.warning("ckptstore: %s: the writer lock is held by the writer process of dead trainer pid %s, "
+                            "finishing its last cut; waiting up to %g s", self.storage.url, holder.get("pid"),
+                            self.orphan_wait_s)
+            if orphaned and deadline is not None and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+                continue
+            who = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}" if holder else "another process"
+            if orphaned:
+                who += (f" (dead; its writer process is still finishing a cut after {self.orphan_wait_s:g} s)"
+                        if deadline is not None else " (dead; its writer process is finishing a cut)")
+            raise StoreLocked(
+                f"another writer holds this store: {who}",
+                holder=holder,
+                store=self.storage.url,
+                path=layout.LOCK_FILE,
+                hint="stop that writer, or open the store read-only (Store.open(url, readonly=True))",
+            )
 
     def acquire(self) -> None:
         caps = self.storage.capabilities
@@ -80,17 +138,7 @@ class WriterLock:
         _check_lock_file(path, self.storage.url)
         lock = filelock.FileLock(path, timeout=0, is_singleton=False)
         try:
-            lock.acquire(timeout=0)
-        except filelock.Timeout:
-            holder = read_holder(self.storage, layout.WRITER_FILE)
-            who = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}" if holder else "another process"
-            raise StoreLocked(
-                f"another writer holds this store: {who}",
-                holder=holder,
-                store=self.storage.url,
-                path=layout.LOCK_FILE,
-                hint="stop that writer, or open the store read-only (Store.open(url, readonly=True))",
-            ) from None
+            self._flock(lock)
         except OSError as exc:
             raise StorageError.from_os_error(exc, "taking the writer lock", store=self.storage.url,
                                              path=layout.LOCK_FILE) from exc

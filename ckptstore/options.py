@@ -20,6 +20,8 @@ class StoreOptions:
     fault-injection seam of the commit protocol (tests only). ``lease_ttl_s``: on object stores, how
     long a writer's lease stays valid without renewal (it is renewed every third of that); a killed
     writer's store can be taken over by a new writer after it (``ckptstore.lock``).
+    ``orphan_wait_s``: on local stores, how long a writer open waits while the lock is held by the
+    writer process of a dead trainer finishing the cut it was handed (0: raise ``StoreLocked`` at once).
     """
 
     compression: Literal["zstd"] | None = None
@@ -29,10 +31,13 @@ class StoreOptions:
     on_phase: PhaseHook | None = None
     storage_options: dict[str, Any] | None = None
     lease_ttl_s: float = 30.0
+    orphan_wait_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
             raise ValueError("lease_ttl_s must be positive")
+        if not self.orphan_wait_s >= 0:
+            raise ValueError("orphan_wait_s must be >= 0")
         if self.compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}")
         if not -7 <= self.zstd_level <= 22:

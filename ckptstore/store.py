@@ -86,7 +86,7 @@ class Store:
         self.options = options
         self.readonly = readonly
         self.events = Emitter(self.url, options.on_event)
-        self._lock = WriterLock(storage, options.lease_ttl_s)
+        self._lock = WriterLock(storage, options.lease_ttl_s, options.orphan_wait_s)
         self._protocol = CommitProtocol(storage, options.on_phase, guard=self._lock.ensure_held)
         self._in_flight: dict[str, PendingCut] = {}
         self._manifests: ManifestCache = {}

@@ -1,6 +1,7 @@
 """A writer process with one injected fault, for tests only: ``python fault_worker.py --fault KIND
 <the worker's own arguments>``. The fault fires once, halfway through the bytes of the first write
-request: "exit-mid-shard", "sigkill-mid-shard", "hang-mid-shard" or "raise-mid-shard" (EACCES).
+request: "exit-mid-shard", "sigkill-mid-shard", "hang-mid-shard", "raise-mid-shard" (EACCES) or
+"pause-mid-shard" (3 s, then the write goes on: a slow disk).
 
 Start it with :func:`inject`; the production worker and its wire protocol
 know nothing of faults.
@@ -15,7 +16,7 @@ import time
 
 from ckptstore.writer import worker
 
-FAULTS = ("exit-mid-shard", "sigkill-mid-shard", "hang-mid-shard", "raise-mid-shard")
+FAULTS = ("exit-mid-shard", "sigkill-mid-shard", "hang-mid-shard", "raise-mid-shard", "pause-mid-shard")
 
 
 def fire(kind: str) -> None:
@@ -28,6 +29,9 @@ def fire(kind: str) -> None:
             time.sleep(3600)
     if kind == "raise-mid-shard":
         raise PermissionError(13, "injected fault: permission denied")
+    if kind == "pause-mid-shard":
+        time.sleep(3)
+        return
     raise ValueError(f"unknown fault {kind!r}")
 
 

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 import ckptstore
 from writerkit import BOUND, has_exited, wait_until
@@ -72,3 +73,46 @@ def test_rescue_on_the_s3_server(tmp_path, s3_url):
     url, opts = s3_url
     out = run_child(url, {"storage_options": opts}, mib=4, journal=str(tmp_path / "journal.txt"))
     check_rescued(url, {"storage_options": opts}, out, str(tmp_path / "restored"))
+
+
+SLOW_CHILD = textwrap.dedent("""
+    import json, os, signal, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from fault_worker import inject
+    from ckptstore.writer import Checkpointer
+
+    ck = Checkpointer(sys.argv[1], every=1)
+    first = ck.cut(1, {"w": np.zeros(1 << 20, dtype=np.float32)}).wait(60)
+    inject(ck, "pause-mid-shard")  # the next cut's write pauses 3 s halfway: the rescue outlives the kill
+    h = ck.maybe_cut(2, {"w": np.ones(1 << 20, dtype=np.float32)})
+    print(json.dumps({"second": h.id, "writer_pid": ck.writer_pid}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def run_slow_child(url: str, log: str) -> dict:
+    """SLOW_CHILD to its SIGKILL; its output goes to a file (a pipe would make us wait for the writer
+    process too, which inherits it)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", SLOW_CHILD, url, os.path.dirname(os.path.abspath(__file__))],
+                                stdout=f, stderr=subprocess.STDOUT)
+        assert proc.wait(120) == -9, open(log).read()[-3000:]
+    return json.loads([line for line in open(log).read().splitlines() if line.startswith("{")][-1])
+
+
+def test_a_trainer_started_again_at_once_waits_for_the_rescue_and_resumes_from_its_cut(tmp_path):
+    """kill -9, then the same command at once: the new writer open finds the lock held by the dead
+    trainer's writer process, still finishing the handed-over cut, waits for it instead of raising
+    StoreLocked, and sees that cut committed."""
+    url = str(tmp_path / "store")
+    out = run_slow_child(url, str(tmp_path / "child.log"))
+    assert not has_exited(out["writer_pid"]), "the rescue ended before the restart: the test proves nothing"
+    with ckptstore.Store.open(url) as store:  # waits (bounded by StoreOptions.orphan_wait_s), no StoreLocked
+        assert store.latest().id == out["second"]  # the rescuer committed before it let the lock go
+        assert store.manifest().writer.mode == "rescue:process"
+    # The same wait switched off: StoreLocked names the holder as a dead trainer whose writer is busy.
+    out = run_slow_child(url + "-2", str(tmp_path / "child2.log"))
+    with pytest.raises(ckptstore.StoreLocked, match="dead; its writer process is finishing a cut"):
+        ckptstore.Store.open(url + "-2", options=ckptstore.StoreOptions(orphan_wait_s=0))
+    wait_until(lambda: has_exited(out["writer_pid"]), timeout=BOUND, what="the second rescue's exit")

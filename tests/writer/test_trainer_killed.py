@@ -59,8 +59,8 @@ def test_trainer_sigkilled_mid_cut(url):
         # The orphaned writer tries to finish the cut it was handed (it hangs: the injected fault) and
         # holds the inherited writer lock meanwhile, so no new writer collects the cut under it...
         assert not has_exited(writer_pid)
-        with pytest.raises(StoreLocked):
-            Store.open(url)
+        with pytest.raises(StoreLocked, match="dead; its writer process is finishing a cut"):
+            Store.open(url, options=StoreOptions(orphan_wait_s=0))  # (by default the open waits for it)
         # ...until its stall deadline (the trainer's write_timeout, 6 s) ends it.
         wait_until(lambda: has_exited(writer_pid), timeout=BOUND, what=f"orphaned writer {writer_pid} exit")
         assert leftover_segments(proc.pid) == []  # the writer unlinked the dead trainer's block
