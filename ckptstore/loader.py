@@ -56,7 +56,7 @@ def load_manifest(
         # A whole load reads every array; a tree naming one the manifest lacks fails in leaf() below
         # (walking a tree of 40,000 leaves twice cost 6% of such a load). Attached files are not state:
         # their bytes are checked through a bounded buffer and dropped (``restore_attached`` writes them out).
-        needed = set(index) - {a.array for a in m.attached} if m.attached else set(index)
+        needed = set(index) - {a.array for a in m.attached}
     else:
         needed = set(leaf_names(tree))
         unknown = needed - set(index)

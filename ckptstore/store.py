@@ -354,13 +354,12 @@ class Store:
     def restore_files(self, cut: CutSelector = "latest", to: str | os.PathLike[str] = ".", *,
                       rank: int | None = None, overwrite: bool = True, verify: bool = True) -> list[str]:
         """Puts the files attached to ``cut`` (``save(files=)``, ``maybe_cut(files=)``) back under the
-        directory ``to`` and returns the paths written: each file's bytes as they were at the cut,
-        hashed while read, written to a temporary name, fsynced and renamed into place. Files under
-        ``to`` the cut does not hold are left alone. ``rank`` as in :meth:`load` (a store opened with
-        ``group=`` restores its own rank's). Without ``overwrite`` existing files are refused, all
-        named, before anything is written. The files stream through a bounded buffer into temporary
-        files that replace the old ones only once every byte was read and verified (a damaged cut
-        changes nothing under ``to``)."""
+        directory ``to`` and returns the paths written: each file's bytes as they were at the cut. They
+        stream through a bounded buffer, hashed as read, into fsynced temporary files that replace the
+        old ones only once every byte was read and verified (a damaged cut changes nothing under
+        ``to``). Files under ``to`` the cut does not hold are left alone. ``rank`` as in :meth:`load`
+        (a store opened with ``group=`` restores its own rank's). Without ``overwrite`` existing files
+        are refused, all named, before anything is written."""
         if rank is None and self.ranks is not None:
             rank = self.ranks.rank
         m = rank_manifest(self.manifest(cut), rank, self.url)
@@ -550,8 +549,9 @@ class Store:
             try:
                 with ranks.busy():
                     part = self.rank_part(cut, step)
-                    files, arrays = part.write(items, codec=self.shard_codec(), max_shard_bytes=self.options.max_shard_bytes)
-                    part.publish(files, arrays, tree=tree, pickled=pickled, attached=attached)
+                    written, arrays = part.write(items, codec=self.shard_codec(),
+                                                 max_shard_bytes=self.options.max_shard_bytes)
+                    part.publish(written, arrays, tree=tree, pickled=pickled, attached=attached)
             except BaseException as exc:  # noqa: BLE001
                 err = exc
             msgs = ranks.exchange("save-written", outcome(err), **where)

@@ -122,10 +122,12 @@ class CkptStoreCheckpointIO(CheckpointIO):
         self._resumed: dict[str, str] = {}  # store URL -> the cut the last load read (a rewind continues there)
 
     # ------------------------------------------------------------------------------------- stores
-    def _writer(self, root: str) -> Store:
+    def _writer(self, root: str, *, create: bool = True) -> Store:
+        """The store at ``root``, opened for writing once per fit (``StoreNotFound`` when missing and
+        not ``create``)."""
         store = self._stores.get(root)
         if store is None:
-            store = self._stores[root] = Store.open(root, create=True, options=self.store_options)
+            store = self._stores[root] = Store.open(root, create=create, options=self.store_options)
         return store
 
     # ---------------------------------------------------------------------------------- CheckpointIO
@@ -194,12 +196,10 @@ class CkptStoreCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         root, name = split_path(path)
-        if root not in self._stores:
-            try:  # nothing saved there: no store to create just to find the name missing
-                Store.open(root, readonly=True, options=self.store_options).close()
-            except StoreNotFound:
-                return
-        store = self._writer(root)
+        try:
+            store = self._writer(root, create=False)
+        except StoreNotFound:
+            return  # nothing was ever saved there: no store to create just to find the name missing
         cut = store.unlabel(name)
         if cut is not None:
             self._drop_if_unnamed(store, cut)

@@ -147,11 +147,6 @@ def _capture(tree: dict[str, Any], leaves: list[Leaf], sources: list[Source], bl
     if captured.mode == "cuda-device-copy":
         side = torch.cuda.Stream(device=cuda_leaves[0].obj.device)  # type: ignore[union-attr]
         side.wait_stream(torch.cuda.current_stream())  # type: ignore[union-attr]
-    if sources:
-        whole = memoryview(block.map)
-        for slot, src in zip(plan.slots[len(leaves):], sources):
-            src.read_into(whole[slot.offset:slot.offset + slot.nbytes], where=where)
-        whole.release()
     for slot, leaf in zip(plan.slots, leaves):
         if slot.nbytes == 0:
             continue
@@ -176,6 +171,9 @@ def _capture(tree: dict[str, Any], leaves: list[Leaf], sources: list[Source], bl
             dst.copy_(t, non_blocking=True)
         else:
             dst.copy_(t)
+    # The files last: their reads overlap the device-to-host copies just queued.
+    for slot, src in zip(plan.slots[len(leaves):], sources):
+        src.read_into(block.view[slot.offset:slot.offset + slot.nbytes], where=where)
     if captured.mode == "cuda-direct":
         torch.cuda.synchronize(cuda_leaves[0].obj.device)  # type: ignore[union-attr]
     elif side is not None:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ckptstore import Store
-from prockit import has_exited, proc_state, proc_state_of_task  # noqa: F401 - re-exported for the tests
+from prockit import has_exited  # noqa: F401 - re-exported for the tests
 
 from fault_worker import inject as inject_fault  # noqa: E402,F401 - re-exported for the tests
 
