@@ -9,18 +9,22 @@ trainer.fit(model, ckpt_path=path)   # any path Lightning reported (last_model_p
 
 **Paths onto cuts.** The directory of a checkpoint path (``ModelCheckpoint``'s ``dirpath``) is the store;
 the file name (``epoch=3-step=120.ckpt``, ``last.ckpt``) is a *label* of the cut (``Store.label``). A
-cut is written once per step: the first path Lightning saves at a step writes it (``Store.save`` of
-the whole checkpoint dict, without pickle), every other path at that step only labels it. Lightning's
-``remove_checkpoint`` (``save_top_k`` dropping a worse checkpoint, a moved ``last``) removes the label,
-and the cut goes when no label names it any more and it is not LATEST's (``Store.remove``, under
-prune's rules): a cut lives as long as a name Lightning holds, as its file would.
+fit *stands on* a cut: the one it last saved or labelled, or after a resume the one it loaded. A save
+at that cut's step only labels it (ModelCheckpoint's second path of a step, ``trainer.save_checkpoint``
+after the fit); every other save writes a new cut (``Store.save`` of the whole checkpoint dict, without
+pickle), even at a step the store holds already: a cut at LATEST's step is not this fit's for that
+(issue 19 item 1). Lightning's ``remove_checkpoint`` (``save_top_k`` dropping a worse checkpoint, a
+moved ``last``) removes the label, and the cut goes when no label names it any more and it is not
+LATEST's (``Store.remove``, under prune's rules): a cut lives as long as a name Lightning holds, as its
+file would.
 
 **Resuming from an older path** (``best_model_path`` while ``last`` is newer) and training on: the
-first save after that resume points LATEST back at the cut the fit resumed from (so the new steps are
-above it) and writes its cuts from there; cuts of the abandoned continuation stay while a label still
-names them (Lightning's restored ``ModelCheckpoint`` no longer tracks them, just as it would leave
-their files on disk), and a name saved again moves to the new cut, so an old cut goes once none of
-its names is left.
+first save at or below LATEST's step points LATEST back at the cut the fit resumed from (so the new
+steps are above it) and writes its cuts from there, LATEST's own step included; a fit that stands on
+no cut of the store at or below the step it saves gets ``StepConflict``. Cuts of the abandoned
+continuation stay while a label still names them (Lightning's restored ``ModelCheckpoint`` no longer
+tracks them, just as it would leave their files on disk), and a name saved again moves to the new cut,
+so an old cut goes once none of its names is left.
 
 **Loading outside a Trainer.** ``LightningModule.load_from_checkpoint(path)`` reads the file itself and
 cannot be routed through a plugin; use :func:`load_checkpoint` (the same dict Lightning would read),
@@ -44,7 +48,7 @@ from typing import Any, Iterable
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from ckptstore import CkptStoreError, Store, StoreOptions, UsageError
+from ckptstore import CkptStoreError, CutInfo, Store, StoreOptions, UsageError
 from ckptstore.errors import StepConflict, StoreNotFound
 
 log = logging.getLogger("ckptstore.integrations.lightning")
@@ -62,6 +66,12 @@ def split_path(path: str | os.PathLike) -> tuple[str, str]:
         return root, name
     text = os.path.abspath(text)
     return os.path.dirname(text), os.path.basename(text)
+
+
+def _store_root(url: str | os.PathLike) -> str:
+    """A store directory's URL in :func:`split_path`'s form (one key for one store)."""
+    text = os.fspath(url)
+    return text.rstrip("/") if "://" in text else os.path.abspath(text)
 
 
 def load_checkpoint(path: str | os.PathLike, *, map_location: Any = "cpu", allowed_types: Iterable[type] = (),
@@ -85,6 +95,11 @@ def _is_store(url: str, options: StoreOptions) -> bool:
         return True
     except CkptStoreError:
         return False
+
+
+def _latest_id(store: Store) -> str:
+    latest = store.latest()
+    return "latest" if latest is None else latest.id  # "latest" of an empty store: load's own error
 
 
 def _resolve(store: Store, name: str, root: str) -> str:
@@ -119,7 +134,9 @@ class CkptStoreCheckpointIO(CheckpointIO):
         self.store_options = store_options
         self.allowed_types = tuple(allowed_types)
         self._stores: dict[str, Store] = {}
-        self._resumed: dict[str, str] = {}  # store URL -> the cut the last load read (a rewind continues there)
+        # store root -> the cut this plugin's fit stands on: the one it last saved or labelled, or the one
+        # a resume loaded. Kept past teardown: a trainer.save_checkpoint after fit still stands there.
+        self._head: dict[str, str] = {}
 
     # ------------------------------------------------------------------------------------- stores
     def _writer(self, root: str, *, create: bool = True) -> Store:
@@ -139,28 +156,34 @@ class CkptStoreCheckpointIO(CheckpointIO):
         store = self._writer(root)
         step = int(checkpoint.get("global_step", 0))
         latest = store.latest()
+        if latest is not None and step <= latest.step and self._head.get(root) != latest.id:
+            latest = self._rewind(store, root, latest, step, name)
         if latest is not None and step == latest.step:
-            cut = latest.id  # another name for the cut of this step: labelled, never written twice
+            cut = latest.id  # the cut this fit stands on, at this step: one more name, never written twice
         else:
-            if latest is not None and step < latest.step:
-                self._rewind(store, step)
             cut = store.save(checkpoint, step=step, tags=(TAG,), metadata={"lightning": {"path": name}}).id
+        self._head[root] = cut
         previous = store.labels().get(name)
         store.label(name, cut)
         if previous is not None and previous != cut:
             self._drop_if_unnamed(store, previous)
 
-    def _rewind(self, store: Store, step: int) -> None:
-        """A save below LATEST's step: the fit resumed from an older cut. LATEST goes back to that cut so
-        the run continues from it; anything else is a step going backwards, refused."""
-        resumed = self._resumed.get(store.url)
-        info = next((c for c in store.cuts() if c.id == resumed), None)
-        if info is None or info.step >= step:
-            raise StepConflict(f"Lightning saves step {step} below LATEST's step {store.latest().step} without having "
-                               "resumed from an older checkpoint of this store", store=store.url,
-                               hint="resume with trainer.fit(ckpt_path=...) from a checkpoint of this directory")
+    def _rewind(self, store: Store, root: str, latest: CutInfo, step: int, name: str) -> CutInfo:
+        """A save at or below LATEST's step by a fit that does not stand on LATEST's cut: it resumed from
+        an older cut, so LATEST goes back to that cut and the fit's cuts continue from there (issue 19
+        item 1: at LATEST's step too, where labelling LATEST named another fit's weights). A fit that
+        stands on no cut of this store at or below ``step`` would step backwards: refused."""
+        head = self._head.get(root)
+        info = next((c for c in store.cuts() if c.id == head), None)
+        if info is None or info.step > step:
+            raise StepConflict(
+                f"Lightning saves step {step} at or below LATEST's step {latest.step} (a cut this fit did not "
+                "write) without having resumed from a checkpoint of this store at or below that step",
+                store=store.url, cut=latest.id, path=name,
+                hint="resume with trainer.fit(ckpt_path=...) from a checkpoint of this directory, "
+                     "or give this fit a ModelCheckpoint dirpath of its own")
         log.info("ckptstore: %s continues from %s (step %d): LATEST moves back to it", store.url, info.id, info.step)
-        store.point_latest(info.id)
+        return store.point_latest(info.id)
 
     def _drop_if_unnamed(self, store: Store, cut: str) -> None:
         """Removes ``cut`` once no label names it (unless it is LATEST's or otherwise kept by the store)."""
@@ -179,19 +202,20 @@ class CkptStoreCheckpointIO(CheckpointIO):
         # weights_only: nothing is ever unpickled here; the dict comes back from typed JSON and arrays.
         root, name = split_path(path)
         store = self._stores.get(root)
-        if store is None and _is_store(os.fspath(path), self.store_options or StoreOptions()):
-            with Store.open(os.fspath(path), readonly=True, options=self.store_options) as whole:
-                return _load(whole, "latest", map_location, self.allowed_types)
+        whole = store is None and _is_store(os.fspath(path), self.store_options or StoreOptions())
+        if whole:  # the store directory itself: its LATEST cut
+            root = _store_root(path)
+            store = self._stores.get(root)
         own = store is None
         if store is None:
             store = Store.open(root, readonly=True, options=self.store_options)
         try:
-            cut = _resolve(store, name, root)
+            cut = _latest_id(store) if whole else _resolve(store, name, root)
             state = _load(store, cut, map_location, self.allowed_types)
         finally:
             if own:
                 store.close()
-        self._resumed[root] = cut
+        self._head[root] = cut  # the fit resumes from this cut: its next saves continue from it
         return state
 
     def remove_checkpoint(self, path: Any) -> None:

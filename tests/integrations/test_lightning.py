@@ -49,13 +49,31 @@ class TinyModule(L.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=2, shuffle=False)
 
 
-def _fit(dirpath: str, max_steps: int, ckpt_path: str | None = None) -> tuple[TinyModule, ModelCheckpoint]:
-    cb = ModelCheckpoint(dirpath=dirpath, save_top_k=2, save_last=True, monitor="train_loss",
-                         every_n_train_steps=2)
+class ShiftedModule(TinyModule):
+    """TinyModule with 8 steps an epoch and a hyperparameter that changes what every step learns: the
+    optimizer's own settings (lr) would not, a resume restores them from the checkpoint."""
+
+    def __init__(self, shift: float = 0.0) -> None:
+        super().__init__()
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        return super().training_step((x, y + self.hparams.shift), batch_idx)
+
+    def train_dataloader(self):  # noqa: ANN201
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()),
+                                           batch_size=2, shuffle=False)
+
+
+def _fit(dirpath: str, max_steps: int, ckpt_path: str | None = None, *, model: TinyModule | None = None,
+         every: int = 2, top_k: int = 2, monitor: str | None = "train_loss") -> tuple[TinyModule, ModelCheckpoint]:
+    cb = ModelCheckpoint(dirpath=dirpath, save_top_k=top_k, save_last=True, monitor=monitor,
+                         every_n_train_steps=every)
     trainer = L.Trainer(max_steps=max_steps, plugins=[CkptStoreCheckpointIO()], callbacks=[cb], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                         deterministic=True, num_sanity_val_steps=0)
-    model = TinyModule()
+    model = TinyModule() if model is None else model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, ckpt_path=ckpt_path)
@@ -131,6 +149,63 @@ def test_resuming_from_an_older_path_and_training_on(runs, tmp_path):
     ref = runs["ref"].state_dict()
     assert all(torch.equal(ref[k], v) for k, v in model.state_dict().items())  # same steps, same result
     assert cli(["verify", url]) == 0
+
+
+def _same(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_fit_resumed_from_an_older_step_saves_latests_step_again_with_its_own_weights(tmp_path):
+    """Issue 19 item 1: a first fit saves steps 4 and 8; a second resumes from step 4 with another
+    hyperparameter and trains to 8. Its step-8 save is a new cut (it only labelled the first fit's),
+    so both names of step 8 load the second fit's weights; the first fit's step-8 cut, left without a
+    name, goes; a save at the end step after the fit is still one more name of that cut."""
+    url = str(tmp_path / "run")
+    first, _ = _fit(url, 8, model=ShiftedModule(shift=0.0), every=4, top_k=-1, monitor=None)
+    with ckptstore.Store.open(url, readonly=True) as store:
+        old = store.labels()
+    assert old["epoch=0-step=8.ckpt"] == old["last.ckpt"] != old["epoch=0-step=4.ckpt"]  # one cut a step
+    second, _ = _fit(url, 8, ckpt_path=os.path.join(url, "epoch=0-step=4.ckpt"), model=ShiftedModule(shift=1.0),
+                     every=4, top_k=-1, monitor=None)
+    assert second.calls == 4 and not _same(first.state_dict(), second.state_dict())  # really another fit
+    for name in ("epoch=0-step=8.ckpt", "last.ckpt"):
+        ckpt = load_checkpoint(os.path.join(url, name))
+        assert ckpt["global_step"] == 8 and ckpt["hyper_parameters"]["shift"] == 1.0, name
+        assert _same(ckpt["state_dict"], second.state_dict()), name
+    second.trainer.save_checkpoint(os.path.join(url, "final.ckpt"))  # same fit, same step: a name, no cut
+    with ckptstore.Store.open(url, readonly=True) as store:
+        labels, latest = store.labels(), store.latest()
+        assert labels["epoch=0-step=8.ckpt"] == labels["last.ckpt"] == labels["final.ckpt"] == latest.id
+        assert latest.id != old["last.ckpt"] and labels["epoch=0-step=4.ckpt"] == old["epoch=0-step=4.ckpt"]
+        assert {c.id for c in store.cuts()} == {old["epoch=0-step=4.ckpt"], latest.id}  # the first 8 went
+    assert cli(["verify", url]) == 0
+
+
+def test_a_fresh_fit_saving_latests_step_into_a_store_it_did_not_resume_from_is_refused(tmp_path):
+    """Issue 19 item 1: a fit that did not resume from this store and saves at LATEST's step is not
+    the fit that wrote LATEST: StepConflict naming the store, not a label on another fit's weights."""
+    url = str(tmp_path / "run")
+    first, _ = _fit(url, 8, model=ShiftedModule(shift=0.0), every=8, top_k=-1, monitor=None)
+    with pytest.raises(ckptstore.StepConflict, match="without having resumed") as info:
+        _fit(url, 8, model=ShiftedModule(shift=1.0), every=8, top_k=-1, monitor=None)
+    assert info.value.store == url
+    ckpt = load_checkpoint(os.path.join(url, "last.ckpt"))  # the first fit's step 8, untouched
+    assert ckpt["hyper_parameters"]["shift"] == 0.0 and _same(ckpt["state_dict"], first.state_dict())
+    assert cli(["verify", url]) == 0
+
+
+def test_a_resume_from_the_store_directory_stands_on_its_latest_cut(tmp_path):
+    """ckpt_path may be the store itself: the fit stands on LATEST's cut, so a save at its step is one
+    more name of it (issue 19 item 1's rule), neither a second cut nor a StepConflict."""
+    url = str(tmp_path / "run")
+    _fit(url, 8, model=ShiftedModule(), every=8, top_k=-1, monitor=None)
+    io = CkptStoreCheckpointIO()
+    ckpt = io.load_checkpoint(url)
+    io.save_checkpoint(ckpt, os.path.join(url, "again.ckpt"))
+    io.teardown()
+    with ckptstore.Store.open(url, readonly=True) as store:
+        assert store.labels()["again.ckpt"] == store.labels()["last.ckpt"] == store.latest().id
+        assert len(store.cuts()) == 1
 
 
 def test_removing_a_name_from_a_directory_without_a_store_creates_nothing(tmp_path):
