@@ -4,8 +4,8 @@
 paths. Each file is read at capture time, while the loop waits, so the cut never holds a later step's
 bytes; its bytes become a 1-D ``uint8`` array of the cut named ``~files/<path>`` (a name no state can
 have: state array names escape ``~`` as ``~0``), written, hashed and verified like every other array,
-and the manifest lists it in ``attached`` (``path``, ``rank``, ``nbytes``). ``Store.restore_files``
-puts them back under a directory of the caller's choice.
+and the manifest lists it in ``attached`` (``path``, ``rank``, ``nbytes``, ``mode``). ``Store.restore_files``
+puts them back under a directory of the caller's choice, each with the permission bits it had.
 
 Stored paths are relative POSIX paths: a file is stored under its base name, a directory's files under
 the directory's base name (``files=["cfg.yaml", "ledger/"]`` gives ``cfg.yaml`` and ``ledger/...``), a
@@ -20,16 +20,18 @@ one error. A file that changes size while it is read is refused (the cut would h
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Annotated, Any, Iterable, Mapping, Sequence, Union
+from typing import Annotated, Any, Iterable, Iterator, Mapping, Sequence, Union
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from .arrays import ArrayItem
-from .errors import UnsupportedValue, UsageError
+from .errors import CkptStoreError, StorageError, UnsupportedValue, UsageError
 from .models import StrictModel
 
 #: The prefix of the array names that hold attached files.
@@ -39,6 +41,10 @@ MAX_PATH_BYTES = 4000  # its array name (``~files/`` + path) stays within a mani
 NAME_MAX = 255
 #: Most files one cut may carry (each is a manifest record and an array).
 MAX_FILES = 100_000
+#: The mode bits a cut keeps of a file: read, write and execute for owner, group and others. Setuid,
+#: setgid and sticky are dropped at capture and refused on parse (issue 19 item 8): a restore must never
+#: make a set-id program out of a checkpoint, which may come from another user or machine.
+MODE_BITS = 0o777
 
 #: What ``files=`` takes: a path, several, or {stored path: source path}.
 FilesArg = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Mapping[str, Union[str, "os.PathLike[str]"]]]
@@ -72,6 +78,24 @@ class AttachedFile(StrictModel):
     path: AttachedPath
     rank: int = Field(default=0, ge=0)
     nbytes: int = Field(ge=0)
+    #: The file's permission bits at the cut (``MODE_BITS`` of them), restored exactly; None in cuts
+    #: saved before modes were kept (issue 19 item 8), whose restore keeps a replaced file's own mode.
+    mode: int | None = None
+
+    @field_validator("mode")
+    @classmethod
+    def _permission_bits(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MODE_BITS:
+            raise ValueError(f"attached file mode {v:#o} is not permission bits (0o0 to {MODE_BITS:#o}; "
+                             "setuid, setgid and sticky are never kept)")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _without_unknown_mode(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        doc = handler(self)
+        if doc.get("mode", 0) is None:  # a record of an older cut: written back as it was read
+            del doc["mode"]
+        return doc
 
     @property
     def array(self) -> str:
@@ -109,6 +133,7 @@ class Source:
     origin: str
     fd: int
     nbytes: int
+    mode: int = 0o644
 
     def describe(self) -> tuple[str, str, str, tuple[int, ...], int]:
         """(name, kind, dtype, shape, nbytes) of its array, as ``writer.capture.describe_leaf``."""
@@ -138,7 +163,7 @@ class Source:
     def record(self, rank: int = 0) -> AttachedFile:
         # The path was checked when the file was opened; a manifest or rank record built from these
         # records validates them all again when it is parsed.
-        return AttachedFile.model_construct(path=self.path, rank=rank, nbytes=self.nbytes)
+        return AttachedFile.model_construct(path=self.path, rank=rank, nbytes=self.nbytes, mode=self.mode)
 
 
 def _entries(files: FilesArg) -> list[tuple[str | None, str]]:
@@ -192,7 +217,7 @@ def open_sources(files: FilesArg | None, *, where: dict[str, Any]) -> list[Sourc
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # replaced between the walk and the open
                 raise UnsupportedValue(f"cannot attach {src}: {_kind(st.st_mode)}", **where)
-            sources[-1].nbytes = st.st_size
+            sources[-1].nbytes, sources[-1].mode = st.st_size, stat.S_IMODE(st.st_mode) & MODE_BITS
         try:
             check_listing((0, s.path) for s in sources)
         except ValueError as exc:
@@ -256,22 +281,31 @@ class Restorer:
     fsynced, and is renamed over it in ``commit``; ``abort`` removes the temporary files. So a damaged
     shard, a failed read or a crash leaves every file old or new, never torn, and memory stays bounded
     whatever the files' sizes. Directories under ``to`` are entered with ``O_NOFOLLOW``, so a stored path
-    can never lead outside ``to``. Use as a context manager: leaving it without ``commit`` aborts."""
+    can never lead outside ``to``. Each file gets the permission bits the cut recorded, exactly (the
+    umask does not apply; a cut saved before modes were kept leaves a replaced file's mode as it was).
+    The target's OSErrors (a full disk, EIO, EACCES) are StorageErrors naming the store, the cut and the
+    file. Use as a context manager: leaving it without ``commit`` aborts."""
 
     def __init__(self, files: Sequence[AttachedFile], to: str, *, overwrite: bool, where: dict[str, Any]) -> None:
         self.to, self.where = to, where
-        os.makedirs(to, exist_ok=True)
-        root = os.open(to, os.O_RDONLY | os.O_DIRECTORY)
-        self._dirs: dict[tuple[str, ...], int] = {(): root}  # entered once, fsynced once in commit
+        self._dirs: dict[tuple[str, ...], int] = {}  # entered once, fsynced once in commit
         self._temps: list[tuple[int, str, str, str]] = []  # (dir fd, temp name, final name, shown path)
-        self._fd = -1
+        # The file being written: its fd, the mode end() gives it (None: leave it), its path under ``to``.
+        self._fd, self._shown = -1, to
+        self._mode: int | None = None
         self._committed = False
-        if not overwrite:
-            exist = [f.path for f in files if _exists_under(root, f.path)]
-            if exist:
-                self.abort()
-                raise UsageError(f"{len(exist)} file(s) to restore exist under {to}: {exist[:5]}", path=to, **where,
-                                 hint="pass overwrite=True to replace them")
+        try:
+            with self._os_errors("opening the restore target", to):
+                os.makedirs(to, exist_ok=True)
+                self._dirs[()] = os.open(to, os.O_RDONLY | os.O_DIRECTORY)
+                exist = [] if overwrite else [f.path for f in files if _mode_under(self._dirs[()], f.path) is not None]
+        except BaseException:
+            self.abort()
+            raise
+        if exist:
+            self.abort()
+            raise UsageError(f"{len(exist)} file(s) to restore exist under {to}: {exist[:5]}", path=to, **where,
+                             hint="pass overwrite=True to replace them")
 
     def __enter__(self) -> "Restorer":
         return self
@@ -280,40 +314,53 @@ class Restorer:
         if not self._committed:
             self.abort()
 
+    def _os_errors(self, action: str, path: str) -> contextlib.AbstractContextManager[None]:
+        return _target_errors(action, path, self.to, self.where)
+
     def begin(self, rec: AttachedFile) -> None:
         """Starts the file ``rec``: a new temporary file beside where it goes."""
         parts = rec.path.split("/")
-        shown = os.path.join(self.to, *parts)
+        self._shown = shown = os.path.join(self.to, *parts)
         dfd = _enter_dirs(self._dirs, tuple(parts[:-1]), self.to, self.where)
-        try:
-            if stat.S_ISDIR(os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False).st_mode):
+        with self._os_errors("creating the temporary file of a restored file", shown):
+            existing = _mode_under(dfd, parts[-1])
+            if existing is not None and stat.S_ISDIR(existing):
                 raise UsageError(f"cannot restore {shown}: a directory is in the way", path=shown, **self.where)
-        except FileNotFoundError:
-            pass
-        tmp = f".{parts[-1][:200]}.ckptstore-restore-{os.getpid()}-{len(self._temps)}"
-        self._fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
+            self._mode = rec.mode if rec.mode is not None else (
+                stat.S_IMODE(existing) if existing is not None and stat.S_ISREG(existing) else None)
+            tmp = _temp_name(parts[-1], len(self._temps))
+            # Written under 0600 and given its mode in end(), so a 0600 token is never readable by others
+            # while it is written; a new file of a cut without modes is 0644 minus the umask, as before.
+            self._fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                               0o600 if self._mode is not None else 0o644, dir_fd=dfd)
         self._temps.append((dfd, tmp, parts[-1], shown))
 
     def write(self, data: memoryview) -> None:
-        done = 0
-        while done < len(data):
-            done += os.write(self._fd, data[done:])
+        with self._os_errors("writing a restored file", self._shown):
+            done = 0
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
 
     def end(self) -> None:
-        """The file is complete (not yet verified): made durable under its temporary name."""
+        """The file is complete (not yet verified): given its mode and made durable under its temporary name."""
         fd, self._fd = self._fd, -1
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with self._os_errors("syncing a restored file", self._shown):
+            try:
+                if self._mode is not None:
+                    os.fchmod(fd, self._mode)  # issue 19 item 8: the cut's bits, not 0644 minus the umask
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def commit(self) -> list[str]:
         """Every file was read and verified: each temporary file replaces its final name, then every
         directory is fsynced. Returns the paths written, in the order they came."""
-        for dfd, tmp, name, _shown in self._temps:
-            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        for fd in self._dirs.values():
-            os.fsync(fd)
+        for dfd, tmp, name, shown in self._temps:
+            with self._os_errors("renaming a restored file into place", shown):
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        with self._os_errors("syncing the restored directories", self.to):
+            for fd in self._dirs.values():
+                os.fsync(fd)
         self._committed = True
         written = [shown for _, _, _, shown in self._temps]
         self._close()
@@ -337,12 +384,43 @@ class Restorer:
         self._dirs.clear()
 
 
-def _exists_under(root: int, path: str) -> bool:
+def _temp_name(name: str, n: int) -> str:
+    """The hidden temporary name beside ``name`` for this process's ``n``-th file, within NAME_MAX bytes:
+    the name is cut in bytes, at a character boundary (issue 19 item 4: cut at 200 characters, a legal
+    name of 228-255 bytes of multibyte characters gave a temporary name too long to create)."""
+    suffix = f".ckptstore-restore-{os.getpid()}-{n}"
+    head = os.fsencode(name)[: NAME_MAX - 1 - len(suffix)].decode("utf-8", "ignore")
+    return f".{head}{suffix}"
+
+
+@contextlib.contextmanager
+def _target_errors(action: str, path: str, to: str, where: dict[str, Any]) -> Iterator[None]:
+    """Turns an OSError of the restore's target ``to`` while doing ``action`` into a StorageError naming
+    the store, the cut and ``path`` (issue 19 item 9: a full disk raised a bare OSError naming nothing);
+    ckptstore errors pass as they are."""
     try:
-        os.stat(path, dir_fd=root, follow_symlinks=False)
-        return True
+        yield
+    except CkptStoreError:
+        raise
+    except OSError as exc:
+        hint = _TARGET_HINTS.get(exc.errno or 0, "").format(to=to) or None
+        raise StorageError.from_os_error(exc, action, hint=hint, path=path, **where) from exc
+
+
+#: What to do about the target's refusals (StorageError's own hints speak of the store).
+_TARGET_HINTS = {
+    **dict.fromkeys((errno.ENOSPC, errno.EDQUOT), "the file system of {to} is full: free space there and restore "
+                    "again; every file under it is as it was or as in the cut, never torn"),
+    **dict.fromkeys((errno.EACCES, errno.EPERM, errno.EROFS), "{to} is not writable by this process"),
+}
+
+
+def _mode_under(dfd: int, path: str) -> int | None:
+    """The ``st_mode`` of ``path`` under the open directory ``dfd`` (a symlink's own), None if absent."""
+    try:
+        return os.stat(path, dir_fd=dfd, follow_symlinks=False).st_mode
     except FileNotFoundError:
-        return False
+        return None
 
 
 def _enter_dirs(dirs: dict[tuple[str, ...], int], parts: tuple[str, ...], to: str, where: dict[str, Any]) -> int:
@@ -350,18 +428,22 @@ def _enter_dirs(dirs: dict[tuple[str, ...], int], parts: tuple[str, ...], to: st
     if parts in dirs:
         return dirs[parts]
     parent = _enter_dirs(dirs, parts[:-1], to, where)
-    try:
-        os.mkdir(parts[-1], 0o777, dir_fd=parent)
-    except FileExistsError:
-        pass
-    try:
-        fd = os.open(parts[-1], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
-    except OSError as exc:
-        raise UsageError(f"cannot restore into {os.path.join(to, *parts)}: not a directory (or a symlink)",
-                         path=to, **where) from exc
+    shown = os.path.join(to, *parts)
+    with _target_errors("creating a directory of restored files", shown, to, where):
+        try:
+            os.mkdir(parts[-1], 0o777, dir_fd=parent)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                raise
+            raise UsageError(f"cannot restore into {shown}: not a directory (or a symlink)", path=to,
+                             **where) from exc
     dirs[parts] = fd
     return fd
 
 
-__all__ = ["AttachedFile", "FILES_PREFIX", "FilesArg", "Source", "array_name", "check_path", "open_sources",
-           "close_sources", "Restorer"]
+__all__ = ["AttachedFile", "FILES_PREFIX", "MODE_BITS", "FilesArg", "Source", "array_name", "check_path",
+           "open_sources", "close_sources", "Restorer"]

@@ -175,16 +175,16 @@ class StorageError(CkptStoreError, OSError):
         return {"errno": self.errno}
 
     @classmethod
-    def from_os_error(cls, exc: OSError, action: str, **fields: Any) -> "StorageError":
+    def from_os_error(cls, exc: OSError, action: str, *, hint: str | None = None, **fields: Any) -> "StorageError":
         """Wraps an OSError raised while doing ``action``, keeping its errno and naming the place. A
         FileNotFoundError without an errno (s3fs raises them so) gets ENOENT, so "absent" is always
-        told apart from "could not read"."""
+        told apart from "could not read". ``hint`` replaces the default one, which speaks of the store
+        (a file system that is not the store's, as a restore's target: issue 19 item 9)."""
         code = exc.errno
         if code is None and isinstance(exc, FileNotFoundError):
             code = _errno.ENOENT
-        hint = None
-        if exc.errno in (_errno.ENOSPC, _errno.EDQUOT):
+        if hint is None and exc.errno in (_errno.ENOSPC, _errno.EDQUOT):
             hint = "the file system is full: free space, then take the next cut; committed cuts are untouched"
-        elif exc.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS):
+        elif hint is None and exc.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS):
             hint = "the store is not writable by this process"
         return cls(f"{action} failed: {exc.strerror or exc}", errno=code, hint=hint, **fields)

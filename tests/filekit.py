@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 
 def flip_byte(path: str, offset: int) -> None:
     """Inverts every bit of the byte at ``offset`` (negative: from the end) in place."""
@@ -63,3 +66,25 @@ def rewrite_manifest(url: str, cut: str, mutate, *, indent: int | None = None) -
     else:
         data = json.dumps(doc, indent=indent).encode()
     write_manifest(url, cut, data)
+
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: str, size: str) -> Iterator[str]:
+    """A real size-limited tmpfs mounted at ``path`` (made if missing) while the context lasts: a file
+    system that really fills up (ENOSPC from the kernel, not from a wrapper). Skips the test where
+    mounting is not allowed (not root, no tmpfs)."""
+    import os
+    import subprocess
+
+    import pytest
+
+    os.makedirs(path, exist_ok=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+                         capture_output=True, text=True, timeout=30)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {res.stderr.strip() or res.returncode}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False, timeout=30)

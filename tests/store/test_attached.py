@@ -4,6 +4,7 @@ under the directory it is given."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -17,7 +18,7 @@ from ckptstore.attached import open_sources
 from ckptstore.cli import main
 from ckptstore.errors import CorruptCut, ManifestError, UnsupportedValue, UsageError
 from ckptstore.writer import Checkpointer
-from filekit import flip_byte, rewrite_manifest, snapshot
+from filekit import flip_byte, mounted_tmpfs, rewrite_manifest, snapshot
 
 
 def tree_of(root: str) -> dict[str, bytes]:
@@ -73,6 +74,7 @@ def test_the_checkpointer_copies_files_at_the_cut_not_at_the_write(tmp_path, src
     cut, whether the writer process or the commit thread writes it."""
     url = str(tmp_path / "store")
     cfg = os.path.join(src, "config.yaml")
+    os.chmod(cfg, 0o640)  # the mode travels with the bytes through the block (issue 19 item 8)
     for mode in ("process", "thread", "inline"):
         events: list[dict] = []
         with Checkpointer(url, every=1, mode=mode, on_event=events.append) as ck:
@@ -93,6 +95,7 @@ def test_the_checkpointer_copies_files_at_the_cut_not_at_the_write(tmp_path, src
                 out = tmp_path / f"out-{c.id}"
                 store.restore_files(c.id, to=str(out))
                 assert open(out / "config.yaml").read() == f"step {c.step}\n", mode
+                assert stat.S_IMODE(os.stat(out / "config.yaml").st_mode) == 0o640, mode
                 assert (out / "ledger" / "offsets.bin").read_bytes() == open(
                     os.path.join(src, "ledger", "offsets.bin"), "rb").read()
             assert store.verify().ok
@@ -141,6 +144,8 @@ def test_a_hostile_attached_path_is_refused_on_parse(store, src, path):
     (lambda d: d["attached"].append(dict(d["attached"][0])), "listed twice"),
     (lambda d: d["attached"][0].update(nbytes=9), "not numpy |u1[9]"),
     (lambda d: d["attached"][0].update(path="other"), "has no array"),
+    (lambda d: d["attached"][0].update(mode=0o4755), "mode 0o4755"),  # issue 19 item 8: never setuid
+    (lambda d: d["attached"][0].update(mode=-1), "mode -0o1"),
 ])
 def test_an_attached_listing_that_disagrees_with_its_arrays_is_refused(store, src, mutate, why):
     store.save({"w": np.zeros(2)}, step=1, files=[os.path.join(src, "config.yaml")])
@@ -226,14 +231,14 @@ def test_show_lists_them_and_restore_files_puts_them_back_from_the_command_line(
     assert "attached  1 file(s)" in out and "config.yaml" in out
     assert main(["show", url, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["attached"] == [{"path": "config.yaml", "rank": 0, "nbytes": 8}]
+    src_mode = stat.S_IMODE(os.stat(os.path.join(src, "config.yaml")).st_mode)
+    assert doc["attached"] == [{"path": "config.yaml", "rank": 0, "nbytes": 8, "mode": src_mode}]
     assert main(["restore-files", url, "--to", str(tmp_path / "cli"), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["written"] == [str(tmp_path / "cli" / "config.yaml")]
     assert main(["restore-files", url, "--to", str(tmp_path / "cli"), "--no-overwrite"]) == 2
     assert "exist" in capsys.readouterr().err
-    mode = stat.S_IMODE(os.stat(tmp_path / "cli" / "config.yaml").st_mode)
-    assert mode & 0o600 == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "cli" / "config.yaml").st_mode) == src_mode
 
 
 def test_restore_puts_the_files_back_with_the_state(tmp_path, src):
@@ -297,3 +302,113 @@ def test_attached_files_go_with_their_cut_when_it_is_pruned(store, src):
     [only] = store.cuts()
     assert only.step == 3 and store.verify().ok
     assert len(os.listdir(os.path.join(store.storage.local_path(""), "cuts"))) == 1
+
+
+# ------------------------------------------------------------------- issue 19 items 4, 8, 9: the restore side
+#: Stored names of NAME_MAX (255) bytes that are far fewer characters: the restore's temporary name
+#: must be cut in bytes (issue 19 item 4).
+LONG_NAMES = {"数" * 85: b"a tokenizer", "run/" + "é" * 127 + "x": b"a journal"}
+
+
+def _restore_via(via: str, store: Store, to: str) -> None:
+    if via == "restore_files":
+        store.restore_files(to=to)
+    elif via == "restore":
+        ckptstore.restore(store, files_to=to)
+    else:
+        assert main(["restore-files", store.storage.local_path(""), "--to", to]) == 0
+
+
+@pytest.mark.parametrize("via", ["restore_files", "restore", "cli"])
+def test_a_multibyte_name_of_name_max_bytes_is_restored_by_every_restore_path(store, tmp_path, via):
+    """Issue 19 item 4: a legal name of 228-255 bytes saved fine, then every restore failed with a raw
+    ENAMETOOLONG because the temporary name beside it was cut at 200 characters, not bytes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {}
+    for i, (name, data) in enumerate(LONG_NAMES.items()):
+        (src / f"f{i}").write_bytes(data)
+        files[name] = str(src / f"f{i}")
+    assert all(len(n.split("/")[-1].encode()) == 255 for n in files)
+    store.save({"w": np.zeros(2)}, step=1, files=files)
+    out = tmp_path / "out"
+    _restore_via(via, store, str(out))
+    assert tree_of(str(out)) == LONG_NAMES  # and no temporary file is left beside them
+
+
+def _make_modes(root) -> dict[str, int]:  # noqa: ANN001
+    modes = {"token": 0o600, "run.sh": 0o755, "frozen.cfg": 0o444, "group.txt": 0o664, "suid.sh": 0o4755}
+    root.mkdir()
+    for name, mode in modes.items():
+        (root / name).write_text(name)
+        os.chmod(root / name, mode)
+    return modes
+
+
+def test_restored_files_keep_their_permission_bits_and_lose_setuid(store, tmp_path):
+    """Issue 19 item 8: every restored file used to be 0644 minus the umask (a 0600 token became
+    world-readable, a script lost its execute bit). The manifest keeps each file's permission bits and
+    the restore sets exactly them, whatever the umask and the mode of the file it replaces; setuid,
+    setgid and sticky are not kept."""
+    modes = _make_modes(tmp_path / "cfg")
+    store.save({"w": np.zeros(2)}, step=1, files=[str(tmp_path / "cfg")])
+    assert {a.path: a.mode for a in store.manifest().attached} == {f"cfg/{n}": m & 0o777 for n, m in modes.items()}
+    out = tmp_path / "out"
+    (out / "cfg").mkdir(parents=True)
+    (out / "cfg" / "token").write_text("the old token")
+    os.chmod(out / "cfg" / "token", 0o666)
+    old = os.umask(0o077)
+    try:
+        store.restore_files(to=str(out))
+    finally:
+        os.umask(old)
+    got = {n: stat.S_IMODE(os.stat(out / "cfg" / n).st_mode) for n in modes}
+    assert got == {n: m & 0o777 for n, m in modes.items()}
+    assert (out / "cfg" / "token").read_text() == "token"
+
+
+def test_a_cut_saved_without_modes_keeps_an_existing_files_mode(store, src, tmp_path):
+    """Issue 19 item 8, cuts saved before the manifest kept modes: a file that is replaced keeps its own
+    mode; a new one is created 0644 minus the umask, as before."""
+    store.save({"w": np.zeros(2)}, step=1, files=[os.path.join(src, "config.yaml"), os.path.join(src, "ledger")])
+    url, cut = store.storage.local_path(""), store.latest().id
+    rewrite_manifest(url, cut, lambda d: [a.pop("mode", None) for a in d["attached"]])
+    assert all(getattr(a, "mode", None) is None for a in store.manifest(cut).attached)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.yaml").write_text("mine\n")
+    os.chmod(out / "config.yaml", 0o600)
+    old = os.umask(0o022)
+    try:
+        store.restore_files(to=str(out))
+    finally:
+        os.umask(old)
+    assert (out / "config.yaml").read_text() == "lr: 0.1\n"
+    assert stat.S_IMODE(os.stat(out / "config.yaml").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(out / "ledger" / "offsets.bin").st_mode) == 0o644
+
+
+def test_a_full_disk_under_the_target_raises_a_storage_error_and_changes_nothing(store, tmp_path, capsys):
+    """Issue 19 item 9: on a real full file system (a 1 MiB tmpfs) restoring a 2 MiB file raised a bare
+    OSError; now every restore path raises StorageError(ENOSPC) naming the store, the cut and the file,
+    and what was under the target is left as it was (no temporary file stays)."""
+    (tmp_path / "config.yaml").write_text("lr: 0.1\n")
+    (tmp_path / "big.bin").write_bytes(np.random.default_rng(0).bytes(2 << 20))
+    store.save({"w": np.zeros(2)}, step=1, files=[str(tmp_path / "config.yaml"), str(tmp_path / "big.bin")])
+    cut = store.latest().id
+    with mounted_tmpfs(str(tmp_path / "small"), "1m") as target:
+        with open(os.path.join(target, "config.yaml"), "w") as f:
+            f.write("the run's own config\n")
+        before = snapshot(target)
+        for call in (lambda: store.restore_files(to=target), lambda: ckptstore.restore(store, files_to=target)):
+            with pytest.raises(ckptstore.StorageError) as ei:
+                call()
+            e = ei.value
+            assert (e.errno, e.store, e.cut, e.path) == (errno.ENOSPC, store.url, cut, os.path.join(target, "big.bin"))
+            assert "full" in str(e) and cut in str(e) and "big.bin" in str(e)
+            assert snapshot(target) == before
+        capsys.readouterr()
+        assert main(["restore-files", store.storage.local_path(""), "--to", target]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ckptstore: error:") and "full" in err and "big.bin" in err and "Traceback" not in err
+        assert snapshot(target) == before
