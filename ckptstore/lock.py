@@ -204,43 +204,84 @@ class InheritedLock:
 
     flock: the inherited descriptor of the trainer's lock file keeps the lock held while the rescuer
     lives (flock belongs to the open file, not the process), so no new writer can open the store and
-    collect the cut as a dead writer's leftover meanwhile. lease: the trainer stops renewing when it
-    dies; ``ensure_held`` (the commit protocol's guard, run before every step that moves LATEST or
-    deletes) checks that the lease object still carries the trainer's token and renews it with
-    ``If-Match`` on its current version, so a new writer can take the lease only after the rescuer
-    stopped renewing, and a rescuer that lost it commits nothing."""
+    collect the cut as a dead writer's leftover meanwhile. lease: the trainer's renewals die with it, so
+    the rescuer renews the lease from the trainer's death on (``start_renewing``, every ttl/3, with
+    ``If-Match`` on its current version and only while it still carries the trainer's token): a restart
+    gets ``StoreLocked`` for as long as the rescue runs, however long its write (issue 19 item 3), and can
+    take the lease only after the rescuer stopped. ``ensure_held`` (the commit protocol's guard, run
+    before every step that moves LATEST or deletes) renews once more, so a rescuer that lost it commits
+    nothing."""
 
     def __init__(self, storage: Storage, handoff: dict[str, Any], fd: int | None = None) -> None:
         self.storage = storage
         self.kind = handoff.get("kind", "none")
         self.token = handoff.get("token")
+        ttl = handoff.get("ttl_s")
+        self.ttl_s = float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else DEFAULT_LEASE_TTL_S
         self.fd = fd
         self.tag: str | None = None
+        self.lost: StoreLocked | None = None
+        self._renewed_at = time.monotonic()
+        self._mutex = threading.Lock()  # one conditional PUT at a time: two on one version fail each other
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start_renewing(self) -> None:
+        """Renews the lease in a daemon thread until ``release`` (nothing to do for a flock)."""
+        if self.kind != "lease" or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._renew_loop, name="ckptstore-rescue-lease", daemon=True)
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        wait = 0.0  # at once: the trainer's last renewal may be most of a ttl ago
+        while not self._stop.wait(wait):
+            wait = self.ttl_s / 3
+            try:
+                self.ensure_held()
+            except StoreLocked:
+                return  # recorded in self.lost: the guard refuses every later step
+            except Exception as exc:  # noqa: BLE001 - a transient network error: retry until the ttl runs out
+                if time.monotonic() - self._renewed_at > self.ttl_s:
+                    self.lost = StoreLocked(f"the lease could not be renewed within its ttl: {exc}",
+                                            store=self.storage.url, path=layout.LEASE_FILE)
+                    return
 
     def ensure_held(self) -> None:
         if self.kind != "lease":
             return
-        try:
-            tag, _ = self.storage.version(layout.LEASE_FILE)
-            holder = read_holder(self.storage, layout.LEASE_FILE)
-            if holder.get("token") != self.token:
-                raise StoreLocked("the lease of the trainer whose cut this process finishes was taken by another "
-                                  "writer; this cut is not committed", holder=holder, store=self.storage.url,
-                                  path=layout.LEASE_FILE)
-            doc = json.dumps({**holder, "renewed_at": now_iso(), "rescuer_pid": os.getpid()}).encode()
-            self.tag = self.storage.put_if_match(layout.LEASE_FILE, doc, tag)
-        except ConditionFailed:
-            raise StoreLocked("another writer took the lease while this process finished a dead trainer's cut",
-                              store=self.storage.url, path=layout.LEASE_FILE) from None
+        with self._mutex:
+            if self.lost is not None:
+                raise self.lost
+            started = time.monotonic()
+            try:
+                tag, _ = self.storage.version(layout.LEASE_FILE)
+                holder = read_holder(self.storage, layout.LEASE_FILE)
+                if holder.get("token") != self.token:
+                    self.lost = StoreLocked(
+                        "the lease of the trainer whose cut this process finishes was taken by another "
+                        "writer; this cut is not committed", holder=holder, store=self.storage.url,
+                        path=layout.LEASE_FILE)
+                    raise self.lost
+                doc = json.dumps({**holder, "renewed_at": now_iso(), "rescuer_pid": os.getpid()}).encode()
+                self.tag = self.storage.put_if_match(layout.LEASE_FILE, doc, tag)
+                self._renewed_at = started
+            except ConditionFailed:
+                self.lost = StoreLocked("another writer took the lease while this process finished a dead "
+                                        "trainer's cut", store=self.storage.url, path=layout.LEASE_FILE)
+                raise self.lost from None
 
     def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.ttl_s)
         if self.fd is not None:
             try:
                 os.close(self.fd)  # never LOCK_UN: that would unlock the trainer's open file too
             except OSError:
                 pass
             self.fd = None
-        if self.kind == "lease" and self.tag is not None:
+        if self.kind == "lease" and self.tag is not None and self.lost is None:
             _delete_lease_if(self.storage, self.tag)
 
 

@@ -138,16 +138,18 @@ def send(fd: int, msg: StrictModel) -> None:
         view = view[n:]
 
 
+class FrameTimeout(TimeoutError):
+    """A frame started but its rest did not come within ``FRAME_S``: the channel is out of step."""
+
+
 def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
     out = bytearray()
     while len(out) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            ready, _, _ = select.select([fd], [], [], left)
-            if not ready:
-                raise TimeoutError
+        # A zero wait past the deadline still sees bytes that are there (a job resumed after SIGSTOP).
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([fd], [], [], wait)
+        if not ready:
+            raise FrameTimeout(f"{len(out)} of {n} bytes of a frame arrived within {FRAME_S:g} s")
         try:
             chunk = os.read(fd, n - len(out))
         except ConnectionResetError as exc:  # the peer died with bytes we had sent still unread
@@ -158,13 +160,25 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
     return bytes(out)
 
 
+#: How long the rest of a frame may take once its first byte arrived (the sender writes a frame whole).
+FRAME_S = 30.0
+
+
 def recv(fd: int, timeout: float | None = None) -> Message:
-    """The next message, or TimeoutError when none starts within ``timeout`` seconds."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    (n,) = struct.unpack("<I", _read_exact(fd, 4, deadline))
+    """The next message, or TimeoutError when none starts within ``timeout`` seconds. Nothing is
+    consumed unless a frame starts in time: a frame's bytes are read only once the first one is there,
+    so a reader polling with short timeouts never loses half a header."""
+    if timeout is not None:
+        ready, _, _ = select.select([fd], [], [], max(0.0, timeout))
+        if not ready:
+            raise TimeoutError
+        head = _read_exact(fd, 4, time.monotonic() + FRAME_S)
+    else:
+        head = _read_exact(fd, 4, None)
+    (n,) = struct.unpack("<I", head)
     if n > MAX_FRAME:
         raise ValueError(f"frame of {n} bytes exceeds the protocol limit")
-    body = _read_exact(fd, n, None if deadline is None else max(deadline, time.monotonic() + 30))
+    body = _read_exact(fd, n, time.monotonic() + FRAME_S)
     try:
         return _ADAPTER.validate_json(body, strict=False)
     except ValueError:

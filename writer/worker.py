@@ -43,6 +43,12 @@ IOPRIO_CLASS_IDLE = 3
 _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 
 
+#: How long the main loop waits for a frame before it looks again at its trainer and at SIGTERM.
+POLL_S = 0.2
+#: How long an orphan with nothing in hand may take to read what its trainer sent before it died.
+DRAIN_S = 60.0
+
+
 class Worker:
     def __init__(self, sock_fd: int, parent: int, hash_threads: int = 1) -> None:
         self.sock = sock_fd
@@ -53,26 +59,38 @@ class Worker:
         self.storage: Storage | None = None
         self.lock: dict[str, Any] = {"kind": "none"}
         self.lock_fd: int | None = None
+        #: The trainer's lock, held by this process from the trainer's death on (``hold_lock``).
+        self.inherited: InheritedLock | None = None
+        self._mutex = threading.Lock()  # the watchdog and the main thread may both open the storage
         #: The cut handed over and not yet ended by the trainer, with this process's result once written.
         self.pending: tuple[P.WriteRequest, P.WriteDone | None] | None = None
+        #: The request being written now (a write without a ``finish`` plan is dropped at the trainer's death).
+        self.writing: P.WriteRequest | None = None
         self.parent_gone = False
+        self.terminating = False
         self.last_progress = time.monotonic()
 
     # lifecycle -------------------------------------------------------------------------------------
     def orphaned(self, *_: Any) -> None:
-        """The trainer is gone. Nothing in hand: stop at once (the kernel frees the block). A cut in
-        hand: the main thread finishes it (``rescue``), under a stall deadline."""
-        if self.pending is None or self.pending[0].finish is None:
+        """The trainer is gone. A write nobody can finish stops at once (the kernel frees the block).
+        Otherwise the main thread reads every frame the trainer sent before it died (a cut is handed over
+        once its request is in the socket, read or not: issue 19 item 2), then finishes the cut in hand
+        (``rescue``) or exits, under a stall deadline; the trainer's lock is held from now on."""
+        if self.writing is not None and self.writing.finish is None:
             os._exit(0)
-        if not self.parent_gone:
-            self.parent_gone = True
-            self.last_progress = time.monotonic()
-            threading.Thread(target=self.rescue_deadline, name="ckptstore-rescue-deadline", daemon=True).start()
+        if self.parent_gone:
+            return
+        self.last_progress = time.monotonic()
+        self.parent_gone = True
+        threading.Thread(target=self.rescue_deadline, name="ckptstore-rescue-deadline", daemon=True).start()
+        self.hold_lock()
 
     def rescue_deadline(self) -> None:
-        pending = self.pending
-        limit = pending[0].finish.stall_timeout if pending is not None and pending[0].finish is not None else 0.0
-        while time.monotonic() - self.last_progress <= limit:
+        while True:
+            pending = self.pending
+            limit = pending[0].finish.stall_timeout if pending is not None and pending[0].finish else DRAIN_S
+            if time.monotonic() - self.last_progress > limit:
+                break
             time.sleep(0.2)
         sys.stderr.write(f"ckptstore writer {os.getpid()}: no progress for {limit:g} s finishing a dead "
                          "trainer's cut; exiting (the store's gc removes what is left)\n")
@@ -86,22 +104,55 @@ class Worker:
                 return
             time.sleep(interval)
 
+    def open_storage(self) -> Storage:
+        with self._mutex:
+            if self.storage is None:
+                if self.spec is None:
+                    raise RuntimeError("the parent sent a write before naming the store")
+                self.storage = open_spec(self.spec)
+            return self.storage
+
+    def hold_lock(self) -> None:
+        """Holds the dead trainer's lock from its death on: its lease is renewed from here (the trainer's
+        renewals died with it, and a rescue writing for longer than the ttl lost the store to a restart:
+        issue 19 item 3); its flock through the inherited descriptor."""
+        if self.spec is None:
+            return  # it died before naming the store: nothing can be in hand
+        try:
+            storage = self.open_storage()
+        except Exception as exc:  # noqa: BLE001 - rescue() tries again, and says why it cannot
+            sys.stderr.write(f"ckptstore writer {os.getpid()}: cannot reach the store to hold its lock: {exc}\n")
+            return
+        with self._mutex:
+            if self.inherited is None:
+                self.inherited = InheritedLock(storage, self.lock, self.lock_fd)
+                self.lock_fd = None
+                self.inherited.start_renewing()
+
     def rescue(self) -> int:
         """Finishes the cut in hand after the trainer died, then exits (see the module docstring)."""
-        assert self.pending is not None
-        req, done = self.pending
-        if done is None or req.finish is None:
-            return 0
+        pending = self.pending
+        if pending is not None and pending[1] is not None and pending[0].finish is not None:
+            self.finish(*pending)  # type: ignore[arg-type]
+        if self.inherited is not None:
+            self.inherited.release()
+        for block in self.blocks.values():
+            block.close()
+        return 0
+
+    def finish(self, req: P.WriteRequest, done: P.WriteDone) -> None:
         f = req.finish
-        assert self.storage is not None
-        lock = InheritedLock(self.storage, self.lock, self.lock_fd)
-        self.lock_fd = None
+        assert f is not None and self.storage is not None
+        self.hold_lock()
+        lock = self.inherited
         from ckptstore.rescue import finish_orphaned_cut
 
         def log(message: str) -> None:
             sys.stderr.write(f"ckptstore writer {os.getpid()}: {message}\n")
 
         try:
+            if lock is None:
+                raise RuntimeError("the store's lock could not be taken over")
             outcome = finish_orphaned_cut(
                 self.storage, lock.ensure_held, cut=req.cut, step=req.step, rank=req.rank, files=done.files,
                 tensors=done.tensors, tree=f.tree, pickled=f.pickled, tags=f.tags, final=f.final,
@@ -110,40 +161,48 @@ class Worker:
             log(f"the trainer died; finished cut {req.cut}: {outcome}")
         except BaseException as exc:  # noqa: BLE001 - nothing to report to: the store's gc cleans up
             log(f"the trainer died; could not finish cut {req.cut}: {type(exc).__name__}: {exc}")
-        finally:
-            lock.release()
-        for block in self.blocks.values():
-            block.close()
-        return 0
 
-    def serve(self) -> int:
-        self.send(P.Hello(pid=os.getpid(), nice=os.nice(0), modules_with_torch="torch" in sys.modules))
+    def next_message(self) -> P.Message | None:
+        """The trainer's next frame; None once nothing more will come: the trainer is gone and every frame
+        it sent has been read (the socket keeps what a dead sender wrote), or SIGTERM asked an idle
+        writer to stop. A frame broken off while the trainer lives: None too (the trainer falls back)."""
         while True:
-            if self.parent_gone:
-                return self.rescue()
+            gone = self.parent_gone  # read before polling: a trainer seen gone has sent all it ever will
             try:
-                msg = P.recv(self.sock)
+                msg = P.recv(self.sock, timeout=POLL_S)
                 if isinstance(msg, P.WriteRequest) and msg.block not in self.blocks:
                     self.attach(msg.block, msg.block_size, P.recv_fd(self.sock))
                 if isinstance(msg, P.OpenStore) and msg.lock.get("kind") == "flock":
                     self.lock_fd = P.recv_fd(self.sock)
+                return msg
+            except P.FrameTimeout as exc:  # a frame broken off (a trainer dead mid-send, its socket kept open)
+                sys.stderr.write(f"ckptstore writer {os.getpid()}: {exc}; stopping\n")
+                return None
+            except TimeoutError:
+                if gone or (self.terminating and self.pending is None):
+                    return None
             except P.ChannelClosed:
                 self.orphaned()
-                return self.rescue()
+                return None
+
+    def serve(self) -> int:
+        self.send(P.Hello(pid=os.getpid(), nice=os.nice(0), modules_with_torch="torch" in sys.modules))
+        while (msg := self.next_message()) is not None:
             if isinstance(msg, P.OpenStore):
                 self.spec, self.storage = StorageSpec(msg.url, msg.storage_options), None
                 self.lock = dict(msg.lock)
-                continue
-            if isinstance(msg, P.CutEnded):
+            elif isinstance(msg, P.CutEnded):
                 if self.pending is not None and self.pending[0].cut == msg.cut:
                     self.pending = None
-                continue
-            if isinstance(msg, P.Shutdown):
-                for block in self.blocks.values():
-                    block.close()
-                return 0
-            if isinstance(msg, P.WriteRequest):
+            elif isinstance(msg, P.Shutdown):
+                break
+            elif isinstance(msg, P.WriteRequest):
                 self.handle(msg)
+        if self.parent_gone:
+            return self.rescue()
+        for block in self.blocks.values():
+            block.close()
+        return 0
 
     def send(self, msg: P.StrictModel) -> None:
         if self.parent_gone:
@@ -161,6 +220,7 @@ class Worker:
 
     def handle(self, req: P.WriteRequest) -> None:
         self.pending = (req, None) if req.finish is not None else None
+        self.writing = req
         try:
             done = self.write(req)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, typed, to the parent
@@ -172,6 +232,8 @@ class Worker:
             self.send(P.WriteFailed(cut=req.cut, error_type=type(exc).__name__, message=getattr(
                 exc, "message", str(exc)), fields=fields))
             return
+        finally:
+            self.writing = None
         if self.pending is not None:
             self.pending = (req, done)
         self.send(done)
@@ -179,17 +241,14 @@ class Worker:
     @pausing
     def write(self, req: P.WriteRequest) -> P.WriteDone:
         t0 = time.perf_counter()
-        if self.storage is None:
-            if self.spec is None:
-                raise RuntimeError("the parent sent a write before naming the store")
-            self.storage = open_spec(self.spec)
+        storage = self.open_storage()
         # The request may arrive before the trainer's commit thread marked the cut (it is handed over
         # at capture): the cut's directory may not exist yet.
-        CommitProtocol(self.storage).open_rank_dir(req.cut)
+        CommitProtocol(storage).open_rank_dir(req.cut)
         block = self.blocks[req.block]
         items = [s.item(block.view) for s in req.slots]
         timings: dict[str, float] = {}
-        files, tensors = write_shards(self.storage, req.cut, req.rank, items, codec=Codec(req.codec, req.zstd_level),
+        files, tensors = write_shards(storage, req.cut, req.rank, items, codec=Codec(req.codec, req.zstd_level),
                                       max_shard_bytes=req.max_shard_bytes, on_bytes=self.progress(req),
                                       timings=timings, hash_threads=self.hash_threads)
         timings["total"] = time.perf_counter() - t0
@@ -247,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.stay_on_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(0) if worker.pending is None else None)
+        # Stop once idle: nothing in hand and no request unread (the main loop decides; exiting here
+        # could drop a request its trainer handed over just before the same SIGTERM ended it).
+        signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "terminating", True))
     if os.getppid() != args.parent:  # the parent died before we got here
         return 0
     threading.Thread(target=worker.watch_parent, name="ckptstore-watch-parent", daemon=True).start()

@@ -1,7 +1,12 @@
 """A writer process with one injected fault, for tests only: ``python fault_worker.py --fault KIND
 <the worker's own arguments>``. The fault fires once, halfway through the bytes of the first write
 request: "exit-mid-shard", "sigkill-mid-shard", "hang-mid-shard", "raise-mid-shard" (EACCES) or
-"pause-mid-shard" (3 s, then the write goes on: a slow disk).
+"pause-mid-shard" (3 s, then the write goes on: a slow disk; "pause-mid-shard:S" pauses S seconds).
+
+The "orphan-..." faults hold the worker at one point of a hand-over until its trainer is dead (and one
+second more, so its parent-pid watchdog has acted): "orphan-before-read" before it reads the first
+request after ``open`` (sent but unread), "orphan-before-parse" between reading a request's frame and
+parsing it, "orphan-before-handle" between parsing it and starting its write.
 
 Start it with :func:`inject`; the production worker and its wire protocol
 know nothing of faults.
@@ -14,9 +19,31 @@ import signal
 import sys
 import time
 
-from ckptstore.writer import worker
+from ckptstore.writer import protocol, worker
+
+
+class _HeldAdapter:
+    """The protocol's parser, held before it parses the first write request until the trainer died."""
+
+    def __init__(self, inner, parent: int) -> None:  # type: ignore[no-untyped-def]
+        self.inner, self.parent, self.fired = inner, parent, False
+
+    def validate_json(self, body, **kw):  # type: ignore[no-untyped-def]
+        if not self.fired and body.startswith(b'{"kind":"write"'):
+            self.fired = True
+            wait_orphaned(self.parent)
+        return self.inner.validate_json(body, **kw)
 
 FAULTS = ("exit-mid-shard", "sigkill-mid-shard", "hang-mid-shard", "raise-mid-shard", "pause-mid-shard")
+HANDOVER = ("orphan-before-read", "orphan-before-parse", "orphan-before-handle")
+
+
+def wait_orphaned(parent: int) -> None:
+    """Until the parent is gone (bounded), then one second more: the watchdog polls every 0.2 s."""
+    deadline = time.monotonic() + 60
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(1.0)
 
 
 def fire(kind: str) -> None:
@@ -29,8 +56,8 @@ def fire(kind: str) -> None:
             time.sleep(3600)
     if kind == "raise-mid-shard":
         raise PermissionError(13, "injected fault: permission denied")
-    if kind == "pause-mid-shard":
-        time.sleep(3)
+    if kind.startswith("pause-mid-shard"):
+        time.sleep(float(kind.partition(":")[2] or 3))
         return
     raise ValueError(f"unknown fault {kind!r}")
 
@@ -49,12 +76,27 @@ def inject(ck: object, kind: str) -> None:
 def main(argv: list[str]) -> int:
     i = argv.index("--fault")
     kind = argv[i + 1]
-    if kind not in FAULTS:
-        raise SystemExit(f"unknown fault {kind!r}; one of {FAULTS}")
+    if kind.partition(":")[0] not in FAULTS + HANDOVER:
+        raise SystemExit(f"unknown fault {kind!r}; one of {FAULTS + HANDOVER}")
     rest = argv[:i] + argv[i + 2 :]
+    parent = int(rest[rest.index("--parent") + 1])
+    if kind == "orphan-before-parse":
+        protocol._ADAPTER = _HeldAdapter(protocol._ADAPTER, parent)
 
     class FaultyWorker(worker.Worker):
         fired = False
+
+        def next_message(self):  # type: ignore[no-untyped-def]
+            if kind == "orphan-before-read" and self.spec is not None and not FaultyWorker.fired:
+                FaultyWorker.fired = True
+                wait_orphaned(parent)
+            return super().next_message()
+
+        def handle(self, req):  # type: ignore[no-untyped-def]
+            if kind == "orphan-before-handle" and not FaultyWorker.fired:
+                FaultyWorker.fired = True
+                wait_orphaned(parent)
+            return super().handle(req)
 
         def progress(self, req):  # type: ignore[no-untyped-def]
             inner = super().progress(req)
@@ -62,7 +104,7 @@ def main(argv: list[str]) -> int:
 
             def on_bytes(n: int) -> None:
                 inner(n)
-                if not FaultyWorker.fired and inner.done * 2 >= total:
+                if kind not in HANDOVER and not FaultyWorker.fired and inner.done * 2 >= total:
                     FaultyWorker.fired = True
                     fire(kind)
 

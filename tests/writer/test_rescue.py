@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -116,3 +117,50 @@ def test_a_trainer_started_again_at_once_waits_for_the_rescue_and_resumes_from_i
     with pytest.raises(ckptstore.StoreLocked, match="dead; its writer process is finishing a cut"):
         ckptstore.Store.open(url + "-2", options=ckptstore.StoreOptions(orphan_wait_s=0))
     wait_until(lambda: has_exited(out["writer_pid"]), timeout=BOUND, what="the second rescue's exit")
+
+
+LEASE_CHILD = textwrap.dedent("""
+    import json, os, signal, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[3])
+    import ckptstore
+    from fault_worker import inject
+    from ckptstore.writer import Checkpointer
+
+    options = ckptstore.StoreOptions(storage_options=json.loads(sys.argv[2]), lease_ttl_s=1.0)
+    ck = Checkpointer(sys.argv[1], every=1, store_options=options)
+    ck.cut(1, {"w": np.zeros(1 << 18, dtype=np.float32)}).wait(60)
+    inject(ck, "pause-mid-shard:6")  # the rescue writes for six lease ttls after the kill
+    h = ck.maybe_cut(2, {"w": np.ones(1 << 18, dtype=np.float32)})
+    print(json.dumps({"second": h.id, "writer_pid": ck.writer_pid}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_rescue_on_s3_keeps_the_lease_for_as_long_as_it_writes(tmp_path, s3_url):
+    """Issue 19 item 3: the dead trainer's lease is renewed by its writer from the death on, so a
+    restart that comes more than a ttl later still gets StoreLocked until the rescue committed."""
+    url, opts = s3_url
+    log = str(tmp_path / "child.log")
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", LEASE_CHILD, url, json.dumps(opts),
+                                 os.path.dirname(os.path.abspath(__file__))], stdout=f, stderr=subprocess.STDOUT)
+        assert proc.wait(120) == -9, open(log).read()[-3000:]
+    dead = time.monotonic()
+    out = json.loads([line for line in open(log).read().splitlines() if line.startswith("{")][-1])
+    options = ckptstore.StoreOptions(storage_options=opts, lease_ttl_s=1.0)
+    late_refusals = 0
+    while True:  # restarts, every 0.2 s, until one gets the store
+        assert time.monotonic() - dead < BOUND, "the rescue did not end"
+        try:
+            store = ckptstore.Store.open(url, options=options)
+            break
+        except ckptstore.StoreLocked:
+            # Past the trainer's ttl (+1 s of LastModified resolution) only the rescuer's renewals hold it.
+            late_refusals += time.monotonic() - dead > 2.5
+        time.sleep(0.2)
+    with store:
+        assert store.latest().id == out["second"], "a restart took the store from the rescue: its cut was lost"
+        assert late_refusals > 0, "the rescue ended within the lease ttl: the test proves nothing"
+        assert store.manifest().writer.mode == "rescue:process"
+        assert store.verify().ok
