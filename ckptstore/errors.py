@@ -9,6 +9,7 @@ launcher can tell "fall back to an older cut" from "fix the code"::
     +-- DataError                      what is stored is not what it should be
     |   +-- CorruptCut                 hash or size mismatch, bad header, bad tree
     |   |   +-- TruncatedFile          a file is shorter than its manifest says
+    |   |   +-- NotAFile               a directory, FIFO or symlink stands where the store keeps a file
     |   +-- MissingFile (also FileNotFoundError)
     |   +-- ManifestError              a manifest that does not parse or breaks the format's rules
     |   +-- LatestError                LATEST unreadable or dangling while committed cuts exist
@@ -35,6 +36,7 @@ __all__ = [
     "DataError",
     "CorruptCut",
     "TruncatedFile",
+    "NotAFile",
     "MissingFile",
     "ManifestError",
     "LatestError",
@@ -110,6 +112,12 @@ class CorruptCut(DataError):
 
 class TruncatedFile(CorruptCut):
     """A file is shorter than its manifest records."""
+
+
+class NotAFile(CorruptCut):
+    """A name the store reads (a shard, a manifest, LATEST) is a directory, FIFO, device or symlink, not a
+    regular file: damage of that file, never a transient I/O error, so fallback skips its cut (issue 19
+    item 12: a symlinked shard used to read as "a transient I/O error: retry")."""
 
 
 class MissingFile(DataError, FileNotFoundError):

@@ -76,7 +76,7 @@ class Resumed:
 
 
 def restore(
-    url_or_store: str | Store,
+    url_or_store: str | os.PathLike[str] | Store,
     *,
     model: Any = None,
     optimizer: Any = None,
@@ -107,8 +107,8 @@ def restore(
     ``files_to``: put the files attached to the cut (``files=``) back under this directory
     (``Store.restore_files``: this rank's, replacing what is there), after the state was restored.
     """
-    own = isinstance(url_or_store, str)
-    store = Store.open(url_or_store, create=True, group=group, rank_timeout=rank_timeout) if own else url_or_store  # type: ignore[arg-type]
+    own = not isinstance(url_or_store, Store)  # a str, a pathlib.Path (issue 19 item 11); Store.open checks the rest
+    store = Store.open(url_or_store, create=True, group=group, rank_timeout=rank_timeout) if own else url_or_store
     try:
         if group is not None and store.ranks is None and _group_size(group) > 1:
             raise UsageError("restore(group=) needs a store opened with the same group= (or a URL)", store=store.url)

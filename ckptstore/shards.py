@@ -27,7 +27,7 @@ from .arrays import ArrayItem
 from .errors import CorruptCut, MissingFile, StorageError, TruncatedFile
 from .format import DATA_ALIGN, ShardHeader, decode_header, encode_header, header_dtype
 from .storage import Storage
-from .storage.posix import open_regular
+from .storage.posix import NotRegular, not_a_file, open_regular
 from .manifest import FileRecord, TensorRecord
 
 PIECE = 8 << 20
@@ -552,6 +552,8 @@ def local_digests_v2(
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 digests = _hash_ranges(mm, data_start, ordered)
                 header = mm[:data_start]
+    except NotRegular as exc:  # damage of this file, not an I/O error to retry (issue 19 item 12)
+        raise not_a_file(exc, **where) from exc
     except FileNotFoundError as exc:
         raise MissingFile("a file the manifest lists is missing", **where) from exc
     except OSError as exc:

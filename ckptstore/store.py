@@ -48,7 +48,7 @@ from .recovery import Classification, Leftover, ManifestCache, classify_now
 from .retention import PINNED_TAG, Policy, hard_keeps
 from .selection import CutSelector, choose_cut, latest_manifest, raise_io_errors, select_manifest
 from .shards import Codec
-from .storage import Storage, open_storage
+from .storage import Storage, open_storage, store_url
 from .tree import flatten, has_pickle
 from .verify import Progress, VerifyReport, verify_store
 
@@ -107,7 +107,7 @@ class Store:
     @classmethod
     def open(
         cls,
-        url: str | Storage,
+        url: str | os.PathLike[str] | Storage,
         *,
         create: bool = False,
         readonly: bool = False,
@@ -116,7 +116,8 @@ class Store:
         rank_timeout: float | None = None,
         recover: bool = True,
     ) -> "Store":
-        """Opens the store at ``url`` (a path, an fsspec URL, or a :class:`~ckptstore.storage.Storage`).
+        """Opens the store at ``url`` (a path, a ``pathlib.Path``, an fsspec URL, or a
+        :class:`~ckptstore.storage.Storage`).
 
         As a writer (default) it takes the writer lock (``StoreLocked`` if another writer has it) and
         recovers: leftovers of interrupted saves and prunes are removed (listed in ``recovered`` and
@@ -135,6 +136,7 @@ class Store:
         that shows no sign of life (:mod:`ckptstore.ranks`). ``group=None`` is one process, also when
         torch.distributed is initialized.
         """
+        url = url if isinstance(url, Storage) else store_url(url)  # a pathlib.Path too (issue 19 item 11)
         if group is not None and not recover:
             raise UsageError("recover=False is for one process; a group's open always recovers", store=str(url))
         if group is not None:
@@ -247,10 +249,7 @@ class Store:
     def _create(storage: Storage) -> None:
         root = storage.local_path("") if storage.capabilities.local_paths else None
         if root is not None:
-            if os.path.lexists(root) and not os.path.isdir(root):
-                raise UsageError("cannot create a store here: the path is a file, not a directory", store=storage.url,
-                                 hint="pick a new or empty directory for the store")
-            os.makedirs(root, exist_ok=True)
+            _make_root(root, storage.url)
         for d in (layout.CUTS_DIR, layout.MARKS_DIR, layout.BAD_DIR):
             storage.make_dir(d)
         storage.write_durably(layout.STORE_FILE, StoreIdentity(created_at=now_iso()).to_bytes())
@@ -359,7 +358,9 @@ class Store:
         old ones only once every byte was read and verified (a damaged cut changes nothing under
         ``to``). Files under ``to`` the cut does not hold are left alone. ``rank`` as in :meth:`load`
         (a store opened with ``group=`` restores its own rank's). Without ``overwrite`` existing files
-        are refused, all named, before anything is written."""
+        are refused, all named, before anything is written. Each file gets the permission bits it had at
+        the cut (docs/format.md, "Attached files"); a refusal of ``to``'s file system (a full disk) is a
+        ``StorageError`` naming the store, the cut and the file."""
         if rank is None and self.ranks is not None:
             rank = self.ranks.rank
         m = rank_manifest(self.manifest(cut), rank, self.url)
@@ -910,13 +911,31 @@ def _check_cut_fields(tags: Sequence[str], metadata: dict[str, Any] | None, url:
         raise UsageError(f"metadata must be JSON-serializable: {exc}", store=url) from None
 
 
+def _make_root(root: str, url: str) -> None:
+    """Creates a local store's root and its parents. A path that is, or runs through, something other
+    than a directory is a ``UsageError`` naming what is in the way (issue 10 item 20; issue 19 item 14:
+    a path below a regular file raised a raw NotADirectoryError); any other refusal (permissions, a
+    full disk, a file created meanwhile) is a ``StorageError`` naming the store."""
+    there = root
+    while not os.path.lexists(there) and os.path.dirname(there) != there:
+        there = os.path.dirname(there)
+    if os.path.lexists(there) and not os.path.isdir(there):
+        what = "a file, not a directory" if os.path.isfile(there) else "not a directory"
+        raise UsageError(f"cannot create a store here: {there} is {what}", store=url, path=there,
+                         hint="pick a new or empty directory for the store")
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, "creating the store directory", store=url, path=root) from exc
+
+
 def open_for_repair(url: str, options: StoreOptions | None = None) -> Store:
     """A writer handle without recovery, for ``ckptstore repair`` on a store whose LATEST is broken."""
     return Store._open(url, create=False, readonly=False, options=options)
 
 
 def load(
-    url: str | Store,
+    url: str | os.PathLike[str] | Store,
     cut: CutSelector = "latest",
     *,
     map_location: Any = "cpu",

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from . import hashing, layout
-from .errors import CkptStoreError, StorageError, CorruptCut, DataError, MissingFile, TruncatedFile
+from .errors import CkptStoreError, StorageError, CorruptCut, DataError, MissingFile, NotAFile, TruncatedFile
+from .latest import Pointer
 from .storage import Storage
 from .manifest import FileRecord, Manifest
 from .recovery import Classification
@@ -110,6 +111,8 @@ def verify_file(storage: Storage, m: Manifest, rec: FileRecord, progress: Progre
                             format_version=m.format_version, verify=True, on_bytes=progress, reuses_buffers=True)
     except TruncatedFile as exc:
         return [Finding("error", "truncated", exc.message, m.cut, rel)]
+    except NotAFile as exc:  # a symlink, FIFO or directory in the shard's place: damage (issue 19 item 12)
+        return [Finding("error", "not-a-file", exc.message, m.cut, rel)]
     except MissingFile:  # deleted between the exists() above and reading it
         return [Finding("error", "missing-file", f"{rel} is missing", m.cut, rel)]
     except CorruptCut as exc:
@@ -236,16 +239,33 @@ def verify_store(
 
 def removed_meanwhile(storage: Storage, cls: Classification, cut: str, findings: list[Finding]) -> bool:
     """Whether a cut whose audit found errors was uncommitted while it was read (a concurrent prune
-    deletes the manifest first, then the files, issue 10 item 12): its manifest is gone now and LATEST
-    did not name it. A LATEST target, or a manifest that cannot be checked, keeps its findings."""
+    deletes the manifest first, then the files, issue 10 item 12): its manifest is gone now, and LATEST
+    did not name it, neither when the store was scanned nor now. Prune never removes LATEST's target,
+    but a writer that saves and prunes continuously commits a newer cut and then prunes the one the
+    scan saw as LATEST's while it is audited (issue 19 item 13): so LATEST is read again, *after* the
+    manifest was seen gone. A cut LATEST still names lost its manifest (a dangling LATEST: damage), and
+    a manifest or LATEST that cannot be checked keeps the findings."""
     if not any(f.severity == "error" for f in findings):
         return False
-    if cls.latest is not None and cls.latest.cut == cut:
-        return False
     try:
-        return not storage.exists(layout.manifest_path(cut))
+        if storage.exists(layout.manifest_path(cut)):
+            return False
+        if cls.latest is None or cls.latest.cut != cut:
+            return True
+        return _latest_cut_now(storage) not in (None, cut)
     except CkptStoreError:
         return False
+
+
+def _latest_cut_now(storage: Storage) -> str | None:
+    """The cut LATEST names now; None when it is absent (no writer moved it on: cannot tell)."""
+    try:
+        data = storage.read_bytes(layout.LATEST_FILE)
+    except StorageError as exc:
+        if exc.errno == errno.ENOENT:
+            return None
+        raise
+    return Pointer.from_bytes(data, store=storage.url, path=layout.LATEST_FILE).cut
 
 
 def first_error(report: VerifyReport) -> DataError | None:

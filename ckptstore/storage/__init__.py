@@ -12,10 +12,12 @@ or ``file://`` gives POSIX storage, any protocol nobody registered goes to fsspe
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import fsspec
 
+from ..errors import UsageError
 from .base import Capabilities, ConditionFailed, Entry, Sink, Storage, StorageSpec
 from .objects import ObjectStorage
 from .posix import PosixStorage
@@ -48,9 +50,23 @@ register_backend("file", _posix)
 register_backend("local", _posix)
 
 
-def open_storage(url: str, *, storage_options: dict[str, Any] | None = None) -> Storage:
+def store_url(url: str | os.PathLike[str]) -> str:
+    """The text of a store URL: a str as it is, an ``os.PathLike`` (``pathlib.Path``) through
+    ``os.fspath``. Every public API that takes a URL goes through here (``Store.open``, which ``load``,
+    ``restore``, the Checkpointer and the integrations open through, and :func:`open_storage`), so a
+    Path works everywhere (issue 19 item 11) and anything else is a ``UsageError`` naming it, not a
+    TypeError from deep inside."""
+    text = os.fspath(url) if isinstance(url, os.PathLike) else url
+    if not isinstance(text, str):
+        raise UsageError(f"a store URL is a str or os.PathLike of str (a path or an fsspec URL), not "
+                         f"{type(url).__name__} {url!r:.80}")
+    return text
+
+
+def open_storage(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> Storage:
     """The backend for ``url``: a plain path or ``file://`` gives POSIX storage, a registered protocol
     its backend, any other fsspec URL an object store."""
+    url = store_url(url)
     if "://" not in url:
         return PosixStorage(url)
     protocol = url.split("://", 1)[0]
@@ -65,5 +81,5 @@ def open_spec(spec: StorageSpec) -> Storage:
 
 __all__ = [
     "Capabilities", "ConditionFailed", "Entry", "Sink", "Storage", "StorageSpec", "ObjectStorage",
-    "PosixStorage", "PosixSink", "buffer_address", "open_storage", "open_spec", "register_backend",
+    "PosixStorage", "PosixSink", "buffer_address", "open_storage", "open_spec", "register_backend", "store_url",
 ]

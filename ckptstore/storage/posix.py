@@ -16,31 +16,70 @@ import stat
 from typing import BinaryIO
 
 from .. import layout
-from .base import Capabilities, Entry, Sink, Storage, StorageSpec
+from ..errors import CkptStoreError, NotAFile
+from .base import Capabilities, Entry, Sink, Storage, StorageSpec, cut_of
 from .sink import CHUNK, PosixSink, _AlignedBuffer
+
+
+class NotRegular(OSError):
+    """:func:`open_regular`'s refusal; ``what`` names what stands where a regular file should be."""
+
+    def __init__(self, code: int, what: str, path: str) -> None:
+        super().__init__(code, f"not a regular file: {what} stands in its place", path)
+        self.what = what
+
+
+def _what(mode: int) -> str:
+    for test, what in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "a device"
+
+
+def not_a_file(exc: NotRegular, **where: str | None) -> NotAFile:
+    """The ckptstore error for a refused name: damage of that one file (a ``CorruptCut``), never an I/O
+    error to retry, so verify reports it and fallback skips its cut (issue 19 item 12)."""
+    rel = where.get("path") or exc.filename
+    return NotAFile(f"{rel} is not a regular file: {exc.what} stands in its place; the store never reads one "
+                    "(a symlink could reach files outside the store, a FIFO would hang the read)",
+                    hint="its cut is damaged: load(..., fallback=True) resumes from the newest cut that verifies; "
+                         "the store never removes what stands there", **where)
 
 
 def open_regular(path: str, buffering: int = 0) -> BinaryIO:
     """Opens ``path`` for reading only if it is a regular file reached without following a symlink in
     its last component: a FIFO planted as a shard must not hang a reader (opened non-blocking, then
     refused), and a symlinked shard must not make the store read what lies outside it. Raises
-    OSError (ENOTSUP-style errors carry the reason)."""
+    :class:`NotRegular` for a name that is something else (a symlink, directory, FIFO, socket,
+    device), any other OSError as it came."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "refusing to follow a symlink inside the store", path) from None
+        # ELOOP (a symlink), ENXIO (a socket), ...: what stands there says whether it is damage.
+        mode = _lstat_mode(path)
+        if mode is not None and not stat.S_ISREG(mode):
+            raise NotRegular(exc.errno or errno.EINVAL, _what(mode), path) from None
         raise
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or directory is never read)", path)
+            raise NotRegular(errno.EINVAL, _what(mode), path)
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb", buffering=buffering)  # type: ignore[return-value]
     except BaseException:
         os.close(fd)
         raise
+
+
+def _lstat_mode(path: str) -> int | None:
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return None
 
 
 class PosixStorage(Storage):
@@ -102,31 +141,43 @@ class PosixStorage(Storage):
     def open_sink(self, rel: str) -> Sink:
         return PosixSink(self, rel)
 
+    def _read_error(self, exc: OSError, action: str, rel: str) -> CkptStoreError:
+        if isinstance(exc, NotRegular):
+            return not_a_file(exc, store=self.url, cut=cut_of(rel), path=rel)
+        return self._error(exc, action, rel)
+
     def read_bytes(self, rel: str) -> bytes:
         try:
             with open_regular(self._abs(rel), buffering=-1) as f:
                 return f.read()
         except OSError as exc:
-            raise self._error(exc, "reading", rel) from exc
+            raise self._read_error(exc, "reading", rel) from exc
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         try:
             with open_regular(self._abs(rel)) as f:
                 return os.pread(f.fileno(), end - start, start)
         except OSError as exc:
-            raise self._error(exc, "reading", rel) from exc
+            raise self._read_error(exc, "reading", rel) from exc
 
     def open_reader(self, rel: str) -> BinaryIO:
         try:
             return open_regular(self._abs(rel))
         except OSError as exc:
-            raise self._error(exc, "opening", rel) from exc
+            raise self._read_error(exc, "opening", rel) from exc
 
     def size(self, rel: str) -> int:
+        """The size of the regular file ``rel``; its own, never a symlink target's (a link's target
+        size would pass a size check for bytes outside the store), and a FIFO's or directory's is no
+        file size at all: both are refused as :func:`open_regular` refuses them."""
+        path = self._abs(rel)
         try:
-            return os.stat(self._abs(rel)).st_size
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegular(errno.EINVAL, _what(st.st_mode), path)
+            return st.st_size
         except OSError as exc:
-            raise self._error(exc, "stat", rel) from exc
+            raise self._read_error(exc, "stat", rel) from exc
 
     def exists(self, rel: str) -> bool:
         # os.path.lexists would say False on EIO: "cannot tell" must never read as "absent" (a LATEST

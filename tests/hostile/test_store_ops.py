@@ -24,6 +24,7 @@ from ckptstore import CorruptCut, KeepLast, LatestError, Store, StoreOptions, Us
 from ckptstore.cli import main
 from ckptstore.marks import Mark
 from ckptstore.protocol import now_iso
+from ckptstore.storage import register_backend
 from ckptstore.storage.posix import PosixStorage
 
 OPTS = StoreOptions(max_shard_bytes=64 << 10)  # three shard files per cut
@@ -392,3 +393,88 @@ def test_a_file_missing_from_a_cut_that_still_exists_is_missing_file(tmp_path: P
         assert [c.id for c in ro.cuts()] == list(cuts.values())
     code, out, _ = cli("verify", str(root), "--json")
     assert code == 1 and {f["kind"] for f in json.loads(out)["findings"]} == {"missing-file"}
+
+
+# ---------------------- issue 19 item 13: verify beside a writer that saves and prunes continuously
+#: A real writer in another process: commits a cut at argv[2], then prunes to the newest one, so the
+#: cut LATEST named a moment before (the one a reader's scan saw as LATEST's target) goes too.
+SUPERSEDE = """
+import sys
+import numpy as np
+from ckptstore import KeepLast, Store, StoreOptions
+with Store.open(sys.argv[1], options=StoreOptions(max_shard_bytes=64 << 10)) as store:
+    step = int(sys.argv[2])
+    store.save({k: np.full(16384, step * 10 + i, dtype=np.float32) for i, k in enumerate("abc")}, step=step)
+    print(len(store.prune(KeepLast(1))))
+"""
+
+
+def supersede_in_another_process(root: Path, step: int) -> None:
+    p = subprocess.run([sys.executable, "-c", SUPERSEDE, str(root), str(step)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["1"]
+
+
+def test_verify_while_latest_moves_on_and_its_old_cut_is_pruned(tmp_path: Path) -> None:
+    """The scan saw cut 1 as LATEST's target; mid-audit a writer commits cut 2 and prunes cut 1. The
+    scan's LATEST cannot tell "pruned" from "damaged" then; LATEST as it is after the files went can."""
+    root = tmp_path / "store"
+    cuts = make_store(root, [1])
+    with Store.open(str(root), readonly=True) as ro:
+        report = ro.verify(progress=once(lambda: supersede_in_another_process(root, 2)))
+    assert report.ok, report.findings
+    assert [(f.kind, f.severity, f.cut) for f in report.findings] == [("removed-during-verify", "notice", cuts[1])]
+    assert not (root / "cuts" / cuts[1]).exists()
+
+
+class SupersedeBeforeReading(PosixStorage):
+    """Real POSIX storage that lets a real writer commit a newer cut and prune the scanned LATEST's
+    cut just before the audit looks for that cut's first shard: the cut's whole directory is gone."""
+
+    def __init__(self, root: str, shard: str) -> None:
+        super().__init__(root)
+        self.shard, self.fired = shard, False
+
+    def exists(self, rel: str) -> bool:
+        if rel == self.shard and not self.fired:
+            self.fired = True
+            supersede_in_another_process(Path(self.root), 2)
+        return super().exists(rel)
+
+
+def test_cli_verify_while_latest_moves_on_and_its_old_cut_is_pruned(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    cuts = make_store(root, [1])
+    shard = layout.cut_file(cuts[1], layout.shard_name(0, 0, compressed=False))
+    hooked: list[SupersedeBeforeReading] = []
+
+    def backend(url: str, _: dict[str, Any]) -> PosixStorage:
+        hooked.append(SupersedeBeforeReading(url.split("://", 1)[1], shard))
+        return hooked[-1]
+
+    register_backend("supersede-test", backend)
+    code, out, _ = cli("verify", f"supersede-test://{root}", "--json")
+    assert [s.fired for s in hooked] == [True]
+    doc = json.loads(out)
+    assert code == 0 and doc["ok"], doc["findings"]
+    assert [(f["kind"], f["cut"]) for f in doc["findings"]] == [("removed-during-verify", cuts[1])]
+
+
+def test_latest_cut_losing_its_manifest_and_files_mid_verify_is_damage(tmp_path: Path) -> None:
+    """The other side: LATEST still names the cut whose manifest and files went (no writer moved it),
+    so it is a dangling LATEST and missing files, never "removed during verify"."""
+    root = tmp_path / "store"
+    cuts = make_store(root, [1, 2])
+    latest_dir = root / "cuts" / cuts[2]
+
+    def vandalize(_: int) -> None:
+        if (latest_dir / layout.MANIFEST_FILE).exists():
+            (latest_dir / layout.MANIFEST_FILE).unlink()
+            for p in latest_dir.iterdir():
+                p.unlink()
+
+    with Store.open(str(root), readonly=True) as ro:
+        report = ro.verify(progress=vandalize)
+    assert {(f.kind, f.cut) for f in report.errors} == {("missing-file", cuts[2])}
+    assert not any(f.kind == "removed-during-verify" for f in report.findings)
