@@ -97,6 +97,12 @@ def is_shard_name(name: str) -> bool:
     return _SHARD.fullmatch(name) is not None
 
 
+def shard_rank(name: str) -> int | None:
+    """The rank a shard's name carries (None for a name that is no shard's)."""
+    m = _SHARD.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
 def rank_record_name(rank: int) -> str:
     """The name of rank ``rank``'s record in a cut directory of several ranks."""
     if not 0 <= rank < MAX_WORLD_SIZE:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from . import hashing, layout
 from .arrays import ArrayItem
 from .attached import AttachedFile
-from .errors import CkptStoreError, CorruptCut, StorageError, StoreLocked, UsageError
+from .errors import CkptStoreError, CorruptCut, ManifestError, StorageError, StoreLocked, UsageError
 from .gcpause import pausing
 from .ident import host_identity
 from .info import CutInfo
@@ -103,8 +103,8 @@ class PendingCut:
 
     def collect_ranks(self) -> None:
         """Reads every rank's record (cuts of several ranks) and records their files and trees. Raises
-        ``CkptStoreError`` naming the ranks whose record is missing, and ``CorruptCut`` for a record
-        that does not belong to this cut."""
+        ``CkptStoreError`` naming the ranks whose record is missing, ``CorruptCut`` for a record that
+        does not belong to this cut, and ``ManifestError`` for one that lists another rank's files."""
         self._require(OPEN, "collect rank records")
         missing = self.missing_ranks()
         if missing:
@@ -116,6 +116,14 @@ class PendingCut:
                 raise CorruptCut(f"rank record names cut {rec.cut} step {rec.step} rank {rec.rank} of "
                                  f"{rec.world_size}, expected rank {rank} of {self.world_size}",
                                  store=self._protocol.url, cut=self.id, path=layout.rank_record_path(self.id, rank))
+            # A rank writes only its own shards, whose names carry its rank: a record that lists
+            # another's made the manifest's duplicate-name check fail as a raw pydantic error
+            # naming neither the rank nor the record (issue 19 item 10).
+            foreign = [f.name for f in rec.files if layout.shard_rank(f.name) != rank]
+            if foreign:
+                raise ManifestError(f"rank {rank}'s record lists file(s) {foreign[:3]} that are not rank {rank}'s "
+                                    "shards; the cut is not committed", store=self._protocol.url, cut=self.id,
+                                    path=layout.rank_record_path(self.id, rank))
             self._files[rank] = (list(rec.files), list(rec.tensors))
             self._trees[rank] = (rec.tree, rec.pickled)
             self._attached[rank] = list(rec.attached)

@@ -118,7 +118,8 @@ def restore(
             if info is None:
                 return None
             return _restore_part(store, info, skipped, None, objs, map_location, rng, allowed_types, files_to)
-        return _restore_ranks(store, fallback, objs, map_location, rng, allowed_types, files_to)
+        with store.ranks.busy():  # beating while rank 0 chooses (fallback verifies) and each rank loads
+            return _restore_ranks(store, fallback, objs, map_location, rng, allowed_types, files_to)
     finally:
         if own:
             store.close()

@@ -43,7 +43,7 @@ from .marks import BadCut, FinalMark
 from .options import StoreOptions
 from .pending import COMMITTED, PendingCut, RankPart
 from .protocol import CommitProtocol, now_iso
-from .ranks import DEFAULT_RANK_TIMEOUT, RankFailure, RankGroup, check_all_ok, check_same, outcome
+from .ranks import DEFAULT_RANK_TIMEOUT, RankFailure, RankGroup, check_all_ok, check_same, outcome, store_namespace
 from .recovery import Classification, Leftover, ManifestCache, classify_now
 from .retention import PINNED_TAG, Policy, hard_keeps
 from .selection import CutSelector, choose_cut, latest_manifest, raise_io_errors, select_manifest
@@ -160,13 +160,29 @@ class Store:
                     options: StoreOptions | None) -> "Store":
         name = url.url if isinstance(url, Storage) else str(url)
         ranks = RankGroup(group, rank_timeout=DEFAULT_RANK_TIMEOUT if rank_timeout is None else rank_timeout,
-                          namespace=hashing.digest(name.encode())[:16])
-        where = {"store": name}
+                          namespace=store_namespace(name), store=name)
+        if ranks.size == 1:
+            ranks.close()
+            return cls.open(url, create=create, readonly=readonly, options=options)
+        try:
+            # Beating throughout: rank 0's writer open may wait minutes for a dead trainer's writer
+            # process to finish its cut while the others wait for it (issue 19 item 7).
+            with ranks.busy():
+                store = cls._open_ranks(url, ranks, create=create, readonly=readonly, options=options)
+        except BaseException:
+            ranks.close()
+            raise
+        store.ranks = ranks
+        return store
+
+    @classmethod
+    def _open_ranks(cls, url: str | Storage, ranks: RankGroup, *, create: bool, readonly: bool,
+                    options: StoreOptions | None) -> "Store":
+        """The collective open's body: rank 0 opens as the writer (or every rank readonly), then the
+        others join as participants; every rank raises if any failed."""
+        where = {"store": url.url if isinstance(url, Storage) else str(url)}
         store: Store | None = None
         try:
-            if ranks.size == 1:
-                ranks.close()
-                return cls.open(url, create=create, readonly=readonly, options=options)
             if readonly:
                 err: BaseException | None = None
                 try:
@@ -201,12 +217,10 @@ class Store:
                     raise err
                 check_all_ok(msgs, "joining the store", **where)
             assert store is not None
-            store.ranks = ranks
             return store
         except BaseException:
             if store is not None:
                 store.close()
-            ranks.close()
             raise
 
     @classmethod
@@ -477,8 +491,9 @@ class Store:
         every rank (``RankFailure`` naming the ranks that failed, on the others).
         """
         if self.ranks is not None:
-            return self._save_ranks(state, step=step, tags=tags, final=final, metadata=metadata,
-                                    allow_pickle=allow_pickle, files=files)
+            with self.ranks.busy():  # the others may wait while this rank prepares or begins the cut
+                return self._save_ranks(state, step=step, tags=tags, final=final, metadata=metadata,
+                                        allow_pickle=allow_pickle, files=files)
         self._require_writer("save")
         _check_cut_fields(tags, metadata, self.url)
         t0 = time.perf_counter()

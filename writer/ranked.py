@@ -2,10 +2,11 @@
 
 In the training loop (collective calls, every rank at the same steps):
 
-1. ``cut`` exchange: every rank says its step, whether its previous cut is still in flight, and
-   whether one of its cuts failed unreported; rank 0 proposes the new cut id. Different steps are
-   named; an earlier failure raises on every rank at this same call; if any rank is busy, a periodic
-   cut is skipped on all ranks (``busy="skip"``) or all wait for their own cut first.
+1. ``maybe_cut`` (or ``cut``) exchange: every rank says its step, whether its previous cut is still
+   in flight, and whether one of its cuts failed unreported; rank 0 proposes the new cut id.
+   Different steps are named; an earlier failure raises on every rank at this same call; if any rank
+   is busy, a periodic cut is skipped on all ranks (``busy="skip"``) or all wait for their own cut
+   first.
 2. each rank captures its state into its own shared block;
 3. ``captured`` exchange: a rank whose capture failed makes every rank drop the cut.
 
@@ -82,9 +83,15 @@ class RankedCuts:
         raise RankFailure(f"cut {first['cut']} (step {first['step']}) failed on rank(s) {sorted(failed)}: {detail}",
                           ranks=list(failed), cut=first["cut"], **self.where)
 
-    def take(self, step: int, state: Any, *, periodic: bool, final: bool = False, tags: Sequence[str] = (),
-             metadata: dict[str, Any] | None = None, allow_pickle: bool = False, files: FilesArg | None = None
-             ) -> CutHandle | None:
+    def take(self, step: int, state: Any, *, periodic: bool, **kw: Any) -> CutHandle | None:
+        """``maybe_cut``/``cut``: beating throughout, as the others may wait while this rank captures
+        its state or waits for its previous cut (issue 19 item 7)."""
+        with self.ranks.busy():
+            return self._take(step, state, periodic=periodic, **kw)
+
+    def _take(self, step: int, state: Any, *, periodic: bool, final: bool = False, tags: Sequence[str] = (),
+              metadata: dict[str, Any] | None = None, allow_pickle: bool = False, files: FilesArg | None = None
+              ) -> CutHandle | None:
         ck = self.ck
         if ck._closed:
             raise UsageError("the checkpointer is closed", store=ck.store.url)
@@ -97,7 +104,8 @@ class RankedCuts:
         proposal = layout.new_cut_id(step) if self.ranks.rank == 0 and local is None else None
         # A rank lost here is named with the last cut taken, which is the one its loss fails.
         last = {"cut": current.id} if current is not None else {}
-        msgs = self.ranks.exchange("cut", {
+        # maybe_cut and cut are different calls: their exchanges are named apart (issue 19 item 5).
+        msgs = self.ranks.exchange("maybe_cut" if periodic else "cut", {
             **outcome(local), "step": step if local is None else repr(step), "periodic": periodic, "final": final,
             "busy": current is not None and not current.done, "failed": self._unreported(), "cut": proposal,
         }, **self.where, **last)
@@ -149,8 +157,9 @@ class RankedCuts:
 
     def wait_committed(self, handle: CutHandle) -> CutInfo:
         """``cut(final=True)``: every rank waits for the outcome, which is the same on every rank."""
-        handle._done.wait()
-        self._agree_failures(self.ranks.exchange("cut-final", {"failed": self._unreported()}, **self.where))
+        with self.ranks.busy():
+            handle._done.wait()
+            self._agree_failures(self.ranks.exchange("cut-final", {"failed": self._unreported()}, **self.where))
         return handle.wait()
 
     # ----------------------------------------------------------------------------- commit thread

@@ -410,5 +410,150 @@ def scenario_fsdp(job: Job) -> dict[str, Any]:
     return {"resumed_from": resumed.step if resumed else None, "digest": digest(model, opt)}
 
 
+# ------------------------------------------------------------------------------------ agreement cases
+# One job runs many cases (tests/ranks/test_agreement.py: each job costs seconds of start-up on 2
+# cores); each case uses a store of its own, so a group a case broke never touches the next one.
+
+def scenario_agreement(job: Job) -> dict[str, Any]:
+    cases: dict[str, Any] = {}
+    for case in job.cfg["cases"]:
+        kind, _, arg = case.partition(":")
+        t0 = time.monotonic()
+        try:
+            cases[case] = CASES[kind](job, arg)
+        except BaseException as exc:  # noqa: BLE001 - one case's surprise must not hide the others
+            import traceback
+
+            cases[case] = {**failure(exc), "traceback": traceback.format_exc()}
+        cases[case]["wall_s"] = round(time.monotonic() - t0, 3)  # where a slow job spends its time
+    return {"cases": cases}
+
+
+def _case_url(job: Job, name: str) -> str:
+    return os.path.join(job.cfg["out_dir"], "stores", name)
+
+
+def _timed(fn: Any) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        res = fn() or {"ok": True}
+    except ckptstore.CkptStoreError as exc:
+        res = failure(exc)
+    res["seconds"] = time.monotonic() - t0
+    return res
+
+
+def case_restart(job: Job, _: str) -> dict[str, Any]:
+    """The restart of a job whose trainer died while its writer process still finishes (rescues) its
+    last cut: rank 0's writer open waits for that writer (stopped by the test, resumed here only once
+    rank 1 has waited longer than rank_timeout), and the restart must not be taken for rank 0's death."""
+    import threading
+
+    timeout = job.cfg["rank_timeout"]
+    dist.barrier()  # both ranks start their open together (gloo; nothing of the library)
+    if job.rank == 0:
+        threading.Timer(timeout + 1, os.kill, (job.cfg["orphan_pid"], signal.SIGCONT)).start()
+
+    def body() -> dict[str, Any]:
+        with ckptstore.Store.open(job.cfg["restart_url"], group=dist.group.WORLD, rank_timeout=timeout) as store:
+            latest = store.latest()
+            saved = store.save(state_of(job.rank, 10), step=10)  # the restarted group agrees on a cut
+            return {"ok": True, "latest": latest.id if latest else None, "saved_world_size": saved.world_size}
+
+    return _timed(body)
+
+
+def case_never_joins(job: Job, _: str) -> dict[str, Any]:
+    """Rank 1 opens the store without group=: rank 0's collective open must name it within rank_timeout
+    (1 s here: only rank 0 waits, for a rank that is not there)."""
+    url, done = _case_url(job, "never-joins"), os.path.join(job.cfg["out_dir"], "never-joins.done")
+    if job.rank == 0:
+        res = _timed(lambda: ckptstore.Store.open(url, create=True, group=dist.group.WORLD, rank_timeout=1).close())
+        open(done, "w").close()
+        return res
+    with ckptstore.Store.open(url, create=True):  # group=None: this rank is not one of the group's
+        _wait_for_file(done)
+    return {"ok": True}
+
+
+def _wait_for_file(path: str) -> None:
+    deadline = time.monotonic() + 60  # a bound, not a clock: rank 0 writes the file when its case ended
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def case_slash(job: Job, _: str) -> dict[str, Any]:
+    """Rank 1 spells the store's URL with a trailing slash: the same store, so the same group."""
+    url = _case_url(job, "slash") + ("/" if job.rank == 1 else "")
+
+    def body() -> dict[str, Any]:
+        with ckptstore.Store.open(url, create=True, group=dist.group.WORLD, rank_timeout=job.cfg["rank_timeout"]) as s:
+            return {"ok": True, "info": s.save(state_of(job.rank, 1), step=1).to_json()}
+
+    return _timed(body)
+
+
+def case_foreign_record(job: Job, _: str) -> dict[str, Any]:
+    """Rank 1's record of the cut of step 2 names rank 0's shard (rewritten as soon as it is durable)."""
+    url = _case_url(job, "foreign-record")
+    step = {"now": 1}
+
+    def on_phase(name: str, cut: str) -> None:
+        if job.rank == 1 and name == "rank-written" and step["now"] == 2:
+            path = os.path.join(url, "cuts", cut, "rank00001.json")
+            doc = json.load(open(path))
+            for f in doc["files"]:
+                f["name"] = f["name"].replace("rank00001-", "rank00000-")
+            for t in doc["tensors"]:
+                t["file"] = t["file"].replace("rank00001-", "rank00000-")
+            with open(path, "w") as f:
+                json.dump(doc, f)
+
+    opts = ckptstore.StoreOptions(on_phase=on_phase)
+    with ckptstore.Store.open(url, create=True, group=dist.group.WORLD, options=opts,
+                              rank_timeout=job.cfg["rank_timeout"]) as store:
+        store.save(state_of(job.rank, 1), step=1)
+        step["now"] = 2
+        res = _timed(lambda: store.save(state_of(job.rank, 2), step=2) and None)
+        step["now"] = 3
+        res["next"] = _timed(lambda: {"step": store.save(state_of(job.rank, 3), step=3).step})
+    return res
+
+
+def case_pair(job: Job, pair: str) -> dict[str, Any]:
+    """Rank 0 makes collective call a, rank 1 call b (``pair`` is "a-b"), on a fresh store and Checkpointer."""
+    from ckptstore.writer import Checkpointer
+
+    a, b = pair.split("-")
+    mine = a if job.rank == 0 else b
+    url = _case_url(job, f"pair-{pair}")
+    timeout = job.cfg["rank_timeout"]
+    extra: list[Any] = []
+    store = ckptstore.Store.open(url, create=True, group=dist.group.WORLD, rank_timeout=timeout)
+    ck = Checkpointer(store, group=dist.group.WORLD, mode="thread", every=1, preemption=mine == "preempt")
+    calls = {
+        "open": lambda: extra.append(ckptstore.Store.open(url, readonly=True, group=dist.group.WORLD,
+                                                          rank_timeout=timeout)),
+        "save": lambda: store.save(state_of(job.rank, 1), step=1),
+        "restore": lambda: ckptstore.restore(store, group=dist.group.WORLD),
+        "checkpointer": lambda: extra.append(Checkpointer(store, group=dist.group.WORLD, mode="thread")),
+        "maybe_cut": lambda: ck.maybe_cut(1, state_of(job.rank, 1)),
+        "cut_final": lambda: ck.cut(1, state_of(job.rank, 1), final=True),
+        "preempt": lambda: ck.maybe_cut(1, state_of(job.rank, 1)),
+        "mark_final": lambda: ck.mark_final(),
+        "close": lambda: ck.close(),
+    }
+    try:
+        return _timed(lambda: calls[mine]() and None)
+    finally:
+        for x in [*extra, ck]:
+            x.close_locally() if hasattr(x, "close_locally") else x.close()
+        store.close()
+
+
+CASES = {"restart": case_restart, "never_joins": case_never_joins, "slash": case_slash,
+         "foreign_record": case_foreign_record, "pair": case_pair}
+
+
 if __name__ == "__main__":
     worker_main(globals(), Job)
