@@ -26,6 +26,14 @@ from .storage import Storage
 Log = Callable[[str], None]
 
 
+def ensure_marked(storage: Storage, guard: Callable[[], None], *, cut: str, step: int, mode: str) -> None:
+    """Marks ``cut`` unless its trainer did before it died: a rescuer marks before it writes a shard,
+    so no shard ever precedes its cut's mark (issue 20)."""
+    if not storage.exists(layout.mark_path(cut)):
+        guard()
+        CommitProtocol(storage, guard=guard).mark(cut, step, f"rescue:{mode}")
+
+
 def finish_orphaned_cut(storage: Storage, guard: Callable[[], None], *, cut: str, step: int, rank: int,
                         files: list[FileRecord], tensors: list[TensorRecord], tree: dict[str, Any], pickled: bool,
                         tags: list[str], final: bool, metadata: dict[str, Any], mode: str, world_size: int,
@@ -48,9 +56,7 @@ def finish_orphaned_cut(storage: Storage, guard: Callable[[], None], *, cut: str
         log(f"LATEST is at step {latest.step} already; abandoning cut {cut}")
         pending.abandon()
         return "abandoned"
-    if not storage.exists(layout.mark_path(cut)):
-        guard()
-        protocol.mark(cut, step, writer)  # the trainer died before its commit thread marked the cut
+    ensure_marked(storage, guard, cut=cut, step=step, mode=mode)  # the trainer died before marking it
     if world_size == 1:
         pending.add_files(files, tensors)
     else:

@@ -47,6 +47,11 @@ class Captured:
     _pending: list[Any] = field(default_factory=list)
     _event: Any = None
 
+    @property
+    def complete(self) -> bool:
+        """Whether every byte is in the block already (no device copy in flight)."""
+        return self._event is None
+
     def ready(self) -> None:
         """Waits until every byte is in the block (CUDA device-copy path); drops the device clones."""
         if self._event is not None:

@@ -465,6 +465,9 @@ class Checkpointer:
                 submitted = handle.request
                 if submitted is not None:
                     handle.request = None  # answered below, one way or another
+                    # The cut is marked (rank 0 and one rank: begin_cut came first) and its bytes are in
+                    # the block (captured.ready()): the writer may begin. No shard precedes the mark.
+                    self._writer.marked(submitted.cut)
                     done = self._writer.wait_done(submitted)  # type: ignore[arg-type]
                 else:
                     done = self._writer.write(self._request(handle, captured), self._block.fd)
@@ -499,14 +502,9 @@ class Checkpointer:
 
     def _end_cut(self, handle: CutHandle) -> None:
         """The cut is committed or abandoned: the writer process forgets it (nothing to rescue). A
-        request handed over but never waited for (the cut failed before its write) is drained first,
-        so the next request's answer is not this one's."""
-        if handle.request is not None and self._writer is not None:
-            req, handle.request = handle.request, None
-            try:
-                self._writer.wait_done(req)  # type: ignore[arg-type]
-            except BaseException:  # noqa: BLE001 - the cut failed already; a broken writer is replaced
-                self._close_writer()
+        request handed over but never written (the cut failed before its write, so it never got its
+        ``marked``) has no answer to wait for: the writer drops it at ``end``."""
+        handle.request = None
         if handle.handed_over and self._writer is not None:
             self._writer.end(handle.id)
 
@@ -522,7 +520,8 @@ class Checkpointer:
         return P.WriteRequest(cut=handle.id, step=handle.step, block=self._block.name, block_size=self._block.size,
                               slots=list(captured.plan.slots), codec=codec.name,  # type: ignore[arg-type]
                               zstd_level=codec.level, max_shard_bytes=self.store.options.max_shard_bytes,
-                              rank=ranks.rank if ranks is not None else 0, finish=finish)
+                              rank=ranks.rank if ranks is not None else 0, finish=finish,
+                              after_mark=finish is not None, block_complete=captured.complete)
 
     def _write_here(self, captured: Captured, pending: PendingCut | RankPart
                     ) -> tuple[list[FileRecord], dict[str, float]]:

@@ -114,6 +114,14 @@ class WriterProcess:
         except (P.ChannelClosed, OSError):
             raise self._death(req.step, req.cut) from None
 
+    def marked(self, cut: str) -> None:
+        """Tells the writer that ``cut`` is marked and in the block: it may write the request it holds."""
+        try:
+            with self._send_lock:
+                P.send(self._req, P.Marked(cut=cut))
+        except (P.ChannelClosed, OSError):
+            raise self._death(None, cut) from None
+
     def end(self, cut: str) -> None:
         """Tells the writer that ``cut`` was committed or abandoned (nothing left to rescue). Best
         effort: a writer that cannot hear it is dead or will be replaced."""

@@ -81,6 +81,19 @@ class WriteRequest(StrictModel):
     max_shard_bytes: int = Field(ge=1)
     rank: int = 0
     finish: Finish | None = None
+    #: Handed over at capture: write nothing before the ``marked`` frame of this cut (or, once the
+    #: trainer is gone, before marking it here), so no shard ever precedes its cut's mark.
+    after_mark: bool = False
+    #: Whether every byte was in the block when this was sent (False while a CUDA device copy is still
+    #: in flight: then only ``marked`` says the bytes are there, and a rescue without it writes nothing).
+    block_complete: bool = True
+
+
+class Marked(StrictModel):
+    """The trainer marked ``cut`` (durably) and every byte of it is in the block: write it now."""
+
+    kind: Literal["marked"] = "marked"
+    cut: str
 
 
 class CutEnded(StrictModel):
@@ -116,7 +129,7 @@ class Shutdown(StrictModel):
     kind: Literal["shutdown"] = "shutdown"
 
 
-Message = Union[Hello, OpenStore, WriteRequest, CutEnded, Progress, WriteDone, WriteFailed, Shutdown]
+Message = Union[Hello, OpenStore, WriteRequest, Marked, CutEnded, Progress, WriteDone, WriteFailed, Shutdown]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(Message)
 
 

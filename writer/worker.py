@@ -6,9 +6,13 @@ needs is bytes in the block plus the small request (names, dtypes, shapes, offse
 trainer lives it never commits: the trainer's commit thread does that once the files are durable.
 
 It notices its parent's death two ways: the socket reaches EOF, and a watchdog thread sees its parent
-pid change (even while a shard is being written). With no cut in hand it exits at once. With a cut
-handed over and not yet ended by the trainer (a request carrying its ``finish`` plan), it **finishes
-the cut alone** (:mod:`ckptstore.rescue`): it completes the write, then commits (one rank) or publishes
+pid change (even while a shard is being written). Either way it first reads every frame its trainer
+left in the socket: a cut is handed over once its request is there (``maybe_cut`` returned), read or
+not. A request handed over at capture is held, unwritten, until the trainer's commit thread says the
+cut is marked and in the block (``marked``), so no shard ever precedes its cut's mark. With no cut in
+hand it then exits. With a cut handed over and not yet ended by the trainer (a request carrying its
+``finish`` plan), it **finishes the cut alone** (:mod:`ckptstore.rescue`): it marks it if the trainer
+had not, completes the write, then commits (one rank) or publishes
 its rank record and, on rank 0, commits once every rank's record is there, under the writer lock it
 inherited, and exits. A rescue that makes no progress for the plan's ``stall_timeout`` ends the
 process anyway, so nothing is orphaned; what it leaves is marked and the store's gc removes it. The
@@ -66,6 +70,8 @@ class Worker:
         self.pending: tuple[P.WriteRequest, P.WriteDone | None] | None = None
         #: The request being written now (a write without a ``finish`` plan is dropped at the trainer's death).
         self.writing: P.WriteRequest | None = None
+        #: A request handed over at capture, held until its ``marked`` (no shard before the cut's mark).
+        self.held: P.WriteRequest | None = None
         self.parent_gone = False
         self.terminating = False
         self.last_progress = time.monotonic()
@@ -131,6 +137,9 @@ class Worker:
 
     def rescue(self) -> int:
         """Finishes the cut in hand after the trainer died, then exits (see the module docstring)."""
+        held, self.held = self.held, None
+        if held is not None:
+            self.write_held(held)
         pending = self.pending
         if pending is not None and pending[1] is not None and pending[0].finish is not None:
             self.finish(*pending)  # type: ignore[arg-type]
@@ -139,6 +148,28 @@ class Worker:
         for block in self.blocks.values():
             block.close()
         return 0
+
+    def write_held(self, req: P.WriteRequest) -> None:
+        """A handed-over request its trainer died before releasing (``marked``): marked here first (one
+        rank, or rank 0; rank 0 marks a cut of several), then written. A block whose device copy may
+        not have finished is not written: that cut is lost, as if the trainer had died in maybe_cut."""
+        log = f"ckptstore writer {os.getpid()}: the trainer died before its cut {req.cut} was "
+        if not req.block_complete:
+            sys.stderr.write(log + "in the block (a device copy in flight); dropping it\n")
+            self.pending = None
+            return
+        try:
+            self.hold_lock()
+            if req.rank == 0 and self.inherited is not None and req.finish is not None:
+                from ckptstore.rescue import ensure_marked
+
+                ensure_marked(self.open_storage(), self.inherited.ensure_held, cut=req.cut, step=req.step,
+                              mode=req.finish.mode)
+        except BaseException as exc:  # noqa: BLE001 - nothing to report to: the store's gc cleans up
+            sys.stderr.write(log + f"marked, and it cannot be marked: {type(exc).__name__}: {exc}\n")
+            self.pending = None
+            return
+        self.handle(req)
 
     def finish(self, req: P.WriteRequest, done: P.WriteDone) -> None:
         f = req.finish
@@ -191,11 +222,19 @@ class Worker:
             if isinstance(msg, P.OpenStore):
                 self.spec, self.storage = StorageSpec(msg.url, msg.storage_options), None
                 self.lock = dict(msg.lock)
+            elif isinstance(msg, P.Marked):
+                if self.held is not None and self.held.cut == msg.cut:
+                    req, self.held = self.held, None
+                    self.handle(req)
             elif isinstance(msg, P.CutEnded):
                 if self.pending is not None and self.pending[0].cut == msg.cut:
                     self.pending = None
+                if self.held is not None and self.held.cut == msg.cut:
+                    self.held = None  # it failed before its write: nothing was written, nothing to answer
             elif isinstance(msg, P.Shutdown):
                 break
+            elif isinstance(msg, P.WriteRequest) and msg.after_mark:
+                self.pending, self.held = (msg, None), msg
             elif isinstance(msg, P.WriteRequest):
                 self.handle(msg)
         if self.parent_gone:
@@ -242,8 +281,7 @@ class Worker:
     def write(self, req: P.WriteRequest) -> P.WriteDone:
         t0 = time.perf_counter()
         storage = self.open_storage()
-        # The request may arrive before the trainer's commit thread marked the cut (it is handed over
-        # at capture): the cut's directory may not exist yet.
+        # Marked by now (one rank, or rank 0), but another rank's directory may not exist yet.
         CommitProtocol(storage).open_rank_dir(req.cut)
         block = self.blocks[req.block]
         items = [s.item(block.view) for s in req.slots]

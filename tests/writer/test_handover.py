@@ -12,11 +12,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
 
 import ckptstore
+from ckptstore.writer import Checkpointer
 from writerkit import BOUND, has_exited, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -127,3 +130,31 @@ def test_the_hand_over_on_the_s3_server(tmp_path, s3_url):
     outs = kill_at(url, {"storage_options": opts}, points, str(tmp_path))
     for point, out in outs.items():
         check(f"{url}/{point}", {"storage_options": opts}, out, point)
+
+
+def test_no_shard_precedes_its_cuts_mark_so_gc_in_the_window_keeps_the_cut(tmp_path):
+    """Issue 20: the writer process used to write a handed-over cut's shards at once, before the commit
+    thread marked the cut; in that window the directory read as an abandoned leftover and a gc from the
+    training thread deleted the cut in flight. The writer now holds the request until ``marked``."""
+    url = str(tmp_path / "store")
+    with Checkpointer(url, every=1) as ck:
+        ck.cut(1, {"w": np.zeros(1 << 16, dtype=np.float32)}).wait(BOUND)
+        release = threading.Event()
+        begin = ck.store.begin_cut
+
+        def held_begin(*a, **kw):  # the commit thread is slow to mark (a loaded machine, a slow PUT)
+            assert release.wait(BOUND)
+            return begin(*a, **kw)
+
+        ck.store.begin_cut = held_begin
+        h = ck.maybe_cut(2, {"w": np.ones(1 << 16, dtype=np.float32)})
+        cut_dir = tmp_path / "store" / "cuts" / h.id
+        deadline = time.monotonic() + 1.0  # the old writer had its shard there within milliseconds
+        while time.monotonic() < deadline and not (cut_dir.is_dir() and any(cut_dir.iterdir())):
+            time.sleep(0.01)
+        shards_early = cut_dir.is_dir() and any(cut_dir.iterdir())
+        ck.store.gc()  # the training thread's own gc, in the window
+        release.set()
+        info = h.wait(BOUND)
+        assert not shards_early, "a shard was written before its cut's mark"
+        assert ck.store.latest().id == info.id and ck.store.verify().ok
