@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from . import layout
 from .arrays import ArrayItem, describe, empty_for
 from .errors import CorruptCut, DataError, UsageError
 from .manifest import Manifest, TensorRecord
@@ -289,8 +290,7 @@ class StoreWriter(StorageWriter):
                  keep: Policy | int | None = None, final: bool = False,
                  storage_options: dict[str, Any] | None = None, options: StoreOptions | None = None) -> None:
         super().__init__()
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise UsageError(f"step must be an int, got {step!r}")
+        layout.check_step(step, store=os.fspath(url))
         if isinstance(keep, int) and not isinstance(keep, bool):
             keep = KeepLast(keep)
         elif keep is not None and not isinstance(keep, Policy):

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from . import hashing, layout
+from .layout import is_label_file_name, label_path
 from .models import CutId, StrictModel
 
 #: The longest label accepted (a path a framework hands over fits easily).
@@ -33,16 +33,6 @@ class Label(StrictModel):
     cut: CutId
     step: int = Field(ge=0)
     labeled_at: str
-
-
-def label_path(label: str) -> str:
-    """``labels/<first 32 hex digits of blake3(label)>.json``."""
-    return f"{layout.LABELS_DIR}/{hashing.digest(label.encode())[:32]}.json"
-
-
-def is_label_file_name(name: str) -> bool:
-    stem = name[: -len(".json")] if name.endswith(".json") else ""
-    return len(stem) == 32 and all(c in "0123456789abcdef" for c in stem)
 
 
 __all__ = ["Label", "MAX_LABEL", "label_path", "is_label_file_name"]

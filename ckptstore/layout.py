@@ -21,6 +21,7 @@ import re
 import secrets
 
 from .errors import HostileInput
+from .hashing import digest
 
 STORE_FILE = "STORE.json"
 LATEST_FILE = "LATEST"
@@ -45,6 +46,18 @@ _RANK_RECORD = re.compile(r"^rank(\d{5})\.json$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 MAX_STEP = 10**12 - 1
 MAX_WORLD_SIZE = 10**5  # shard and rank-record names carry the rank in 5 digits
+
+
+def check_step(step: object, **where: str | None) -> int:
+    """``step`` if it is an int in [0, MAX_STEP] (a cut id holds it in 12 digits), else a ``UsageError``
+    naming the store: the one bound every way of taking a cut applies (issue 20: ``maybe_cut(10**12)``
+    raised a raw ValueError, and the bounds differed between save, the Checkpointer, ranked cuts and
+    the DCP writer)."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        from .errors import UsageError
+
+        raise UsageError(f"step must be an int in [0, {MAX_STEP}], got {step!r:.80}", **where)
+    return step
 
 
 def new_cut_id(step: int) -> str:
@@ -167,4 +180,18 @@ def is_tmp_name(name: str) -> bool:
         return False
     final = m.group(1)
     return (final in ROOT_ENTRIES or final == MANIFEST_FILE or is_rank_record_name(final)
-            or cut_id_of_mark(final) is not None)
+            or cut_id_of_mark(final) is not None or is_label_file_name(final))
+
+
+_LABEL_FILE = re.compile(r"^[0-9a-f]{32}\.json$")
+
+
+def label_path(label: str) -> str:
+    """``labels/<first 32 hex digits of blake3(label)>.json``: named here with every other name, so a
+    crash inside ``Store.label`` leaves a temp name :func:`is_tmp_name` knows (issue 20: it was filed
+    as foreign and gc never removed it)."""
+    return f"{LABELS_DIR}/{digest(label.encode())[:32]}.json"
+
+
+def is_label_file_name(name: str) -> bool:
+    return _LABEL_FILE.fullmatch(name) is not None

@@ -91,6 +91,18 @@ class PendingCut:
             raise UsageError(f"file records of cut {self.id} name another rank than {rank}", cut=self.id)
         self._files[rank] = (list(files), list(tensors))
 
+    def publish(self, files: list[FileRecord], tensors: list[TensorRecord], *, tree: dict[str, Any],
+                pickled: bool, mode: str = "sync", attached: Sequence[AttachedFile] = ()) -> None:
+        """The part of a cut of one rank, kept here for ``commit`` (as :meth:`RankPart.publish` keeps a
+        part of several in a durable record): so one save path writes a part whatever the world size.
+        ``mode`` is the commit's to record."""
+        if self.world_size != 1:
+            raise UsageError(f"cut {self.id} of {self.world_size} ranks takes its parts from rank records",
+                             store=self._protocol.url, cut=self.id)
+        self.add_files(files, tensors)
+        self._trees[0] = (tree, pickled)
+        self._attached[0] = list(attached)
+
     def files(self) -> list[FileRecord]:
         """Every file recorded so far, of every rank."""
         return [f for rank in sorted(self._files) for f in self._files[rank][0]]
@@ -106,6 +118,8 @@ class PendingCut:
         ``CkptStoreError`` naming the ranks whose record is missing, ``CorruptCut`` for a record that
         does not belong to this cut, and ``ManifestError`` for one that lists another rank's files."""
         self._require(OPEN, "collect rank records")
+        if self.world_size == 1:
+            return  # its one part was published here (``publish``), not as a record
         missing = self.missing_ranks()
         if missing:
             raise CkptStoreError(f"rank(s) {missing} have not published their files of cut {self.id}",
@@ -164,6 +178,9 @@ class PendingCut:
             pickled = any(p for _, p in self._trees.values())
             attached = [a for r in range(self.world_size) for a in self._attached.get(r, [])]
             extra = {"format_version": RANKS_FORMAT_VERSION, "world_size": self.world_size}
+        elif tree is None and 0 in self._trees:  # the part published here
+            tree, pickled = self._trees[0]
+            attached = self._attached.get(0, [])
         elif tree is None:
             raise UsageError(f"committing cut {self.id} needs its tree", store=self._protocol.url, cut=self.id)
         manifest = Manifest(

@@ -35,6 +35,7 @@ import os
 import re
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -387,10 +388,13 @@ def check_same(msgs: Sequence[Any], fields: Sequence[str], what: str, **where: A
 
 
 def outcome(exc: BaseException | None) -> dict[str, Any]:
-    """A rank's message about its own part."""
+    """A rank's message about its own part: ok, or the error's type and message and the tail of its
+    traceback, so every rank's ``RankFailure`` can say what failed where (issue 20)."""
     if exc is None:
         return {"ok": True}
-    return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:])
+    return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000], "type": type(exc).__name__,
+            "traceback": tail[-2000:]}
 
 
 __all__ = ["RankGroup", "RankFailure", "DEFAULT_RANK_TIMEOUT", "check_all_ok", "check_same", "outcome",

@@ -11,16 +11,14 @@ protocol (:mod:`ckptstore.protocol`); this module composes, it does not touch ma
 from __future__ import annotations
 
 import errno
-import json
 import os
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-from . import hashing, layout
-from .arrays import ArrayItem, describe, resolve_map_location
-from .attached import AttachedFile, FilesArg, Restorer, close_sources, open_sources
+from . import hashing, layout, saving
+from .arrays import resolve_map_location
+from .attached import FilesArg, Restorer
 from .errors import (
     CorruptCut,
     CutNotFound,
@@ -43,13 +41,12 @@ from .marks import BadCut, FinalMark
 from .options import StoreOptions
 from .pending import COMMITTED, PendingCut, RankPart
 from .protocol import CommitProtocol, now_iso
-from .ranks import DEFAULT_RANK_TIMEOUT, RankFailure, RankGroup, check_all_ok, check_same, outcome, store_namespace
+from .ranks import DEFAULT_RANK_TIMEOUT, RankFailure, RankGroup, check_all_ok, outcome, store_namespace
 from .recovery import Classification, Leftover, ManifestCache, classify_now
 from .retention import PINNED_TAG, Policy, hard_keeps
 from .selection import CutSelector, choose_cut, latest_manifest, raise_io_errors, select_manifest
 from .shards import Codec
 from .storage import Storage, open_storage, store_url
-from .tree import flatten, has_pickle
 from .verify import Progress, VerifyReport, verify_store
 
 
@@ -490,127 +487,12 @@ class Store:
         all ranks' files are durable. Any rank's failure leaves LATEST where it was and raises on
         every rank (``RankFailure`` naming the ranks that failed, on the others).
         """
-        if self.ranks is not None:
-            with self.ranks.busy():  # the others may wait while this rank prepares or begins the cut
-                return self._save_ranks(state, step=step, tags=tags, final=final, metadata=metadata,
-                                        allow_pickle=allow_pickle, files=files)
-        self._require_writer("save")
-        _check_cut_fields(tags, metadata, self.url)
-        t0 = time.perf_counter()
-        tree, items, pickled, attached = _prepare(state, files, allow_pickle, self.url)
-        t_flat = time.perf_counter()
-        pending = self.begin_cut(step, writer="store.save")
-        try:
-            pending.write(items, codec=self.shard_codec(), max_shard_bytes=self.options.max_shard_bytes)
-            pending.files_durable()
-            t_write = time.perf_counter()
-            info = pending.commit(tree=tree, pickled=pickled, tags=tags, final=final, metadata=metadata, mode="sync",
-                                  attached=attached)
-        except BaseException as exc:
-            pending.abandon()
-            self.events.emit("failed", cut=pending.id, step=step, error=str(exc), error_type=type(exc).__name__)
-            if isinstance(exc, OSError) and not isinstance(exc, StorageError):
-                # A raw OSError from below the storage seam still names the store and the cut.
-                raise StorageError.from_os_error(exc, "saving", store=self.url, cut=pending.id,
-                                                 path=getattr(exc, "filename", None)) from exc
-            raise
-        t_end = time.perf_counter()
-        self.events.emit(
-            "committed", cut=info.id, step=step, bytes=info.nbytes, tensors=info.tensors, files=info.files,
-            timings={"flatten": t_flat - t0, "write": t_write - t_flat, "commit": t_end - t_write, "total": t_end - t0},
-            writer_mode="sync",
-        )
-        return info
-
-    def _save_ranks(self, state: Any, *, step: int, tags: Sequence[str], final: bool,
-                    metadata: dict[str, Any] | None, allow_pickle: bool, files: FilesArg | None) -> CutInfo:
-        """``save`` over a group: prepare (everywhere) -> mark (rank 0) -> write parts (everywhere)
-        -> commit (rank 0); one exchange after each, so every rank learns every outcome."""
-        ranks = self.ranks
-        assert ranks is not None
-        self._require_writer("save", participant_ok=True)
-        t0 = time.perf_counter()
-        where: dict[str, Any] = {"store": self.url}
-        err: BaseException | None = None
-        tree: dict[str, Any] = {}
-        items: list[ArrayItem] = []
-        pickled = False
-        attached: list[AttachedFile] = []
-        try:
-            _check_cut_fields(tags, metadata, self.url)
-            tree, items, pickled, attached = _prepare(state, files, allow_pickle, self.url)
-        except BaseException as exc:  # noqa: BLE001 - every rank hears of it in the exchange
-            err = exc
-        msgs = ranks.exchange("save-prepare", {**outcome(err), "step": step, "final": bool(final)}, **where)
-        if err is not None:
-            raise err
-        check_same(msgs, ("step", "final"), "save", **where)
-        check_all_ok(msgs, f"preparing the cut of step {step}", **where)
-
-        pending: PendingCut | None = None
-        try:
-            if ranks.rank == 0:
-                try:
-                    pending = self.begin_cut(step, writer="store.save", world_size=ranks.size)
-                except BaseException as exc:  # noqa: BLE001
-                    err = exc
-            begun = ranks.exchange("save-begin", {**outcome(err), "cut": pending.id if pending else None},
-                                   senders=[0], **where)[0]
-            if err is not None:
-                raise err
-            if not begun["ok"]:
-                raise RankFailure(f"rank 0 could not begin the cut of step {step}: {begun['error']}", ranks=[0], **where)
-            cut = begun["cut"]
-            where["cut"] = cut
-            try:
-                with ranks.busy():
-                    part = self.rank_part(cut, step)
-                    written, arrays = part.write(items, codec=self.shard_codec(),
-                                                 max_shard_bytes=self.options.max_shard_bytes)
-                    part.publish(written, arrays, tree=tree, pickled=pickled, attached=attached)
-            except BaseException as exc:  # noqa: BLE001
-                err = exc
-            msgs = ranks.exchange("save-written", outcome(err), **where)
-            if err is not None:
-                raise err
-            check_all_ok(msgs, f"writing cut {cut}", **where)
-            t_write = time.perf_counter()
-            info: CutInfo | None = None
-            if pending is not None:
-                try:
-                    with ranks.busy():
-                        pending.collect_ranks()
-                        pending.files_durable()
-                        info = pending.commit(tags=tags, final=final, metadata=metadata, mode="sync")
-                except BaseException as exc:  # noqa: BLE001
-                    err = exc
-            done = ranks.exchange(
-                "save-commit", {**outcome(err), "info": {**info.to_json(), "metadata": info.metadata} if info else None,
-                                "unknown": pending is not None and pending.state == "unknown"},
-                senders=[0], **where)[0]
-            if err is not None:
-                raise err
-            if not done["ok"]:
-                state_note = ("LATEST may name it: the next writer open decides" if done.get("unknown")
-                              else "LATEST was left where it was")
-                raise RankFailure(f"rank 0 could not commit cut {cut} ({state_note}): {done['error']}", ranks=[0], **where)
-        except BaseException as exc:
-            if pending is not None:
-                pending.abandon()  # a no-op once committed or left to recovery
-            self.events.emit("failed", cut=where.get("cut"), step=step, error=str(exc), error_type=type(exc).__name__,
-                             rank=ranks.rank)
-            if isinstance(exc, RankFailure) and "save-commit" in exc.message:
-                exc.message += f"; cut {where.get('cut')} may or may not be committed: the next writer open decides"
-            raise
-        info = info if info is not None else CutInfo.from_json(done["info"])
-        self.events.emit("committed", cut=info.id, step=step, bytes=info.nbytes, tensors=info.tensors,
-                         files=info.files, rank=ranks.rank, world_size=ranks.size, writer_mode="sync",
-                         timings={"write": t_write - t0, "total": time.perf_counter() - t0})
-        return info
+        self._require_writer("save", participant_ok=self.ranks is not None)
+        return saving.save(self, state, step=step, tags=tags, final=final, metadata=metadata,
+                           allow_pickle=allow_pickle, files=files)
 
     def _check_step(self, step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= layout.MAX_STEP:
-            raise UsageError(f"step must be an int in [0, {layout.MAX_STEP}], got {step!r}", store=self.url)
+        layout.check_step(step, store=self.url)
         latest = latest_manifest(self.classify(), self.url)
         if latest is not None and step <= latest.step:
             raise StepConflict(
@@ -901,29 +783,6 @@ def rank_manifest(m: Manifest, rank: int | None, url: str) -> Manifest:
         return m.for_rank(rank)
     except ValueError as exc:
         raise UsageError(str(exc), store=url, cut=m.cut) from None
-
-
-def _prepare(state: Any, files: FilesArg | None, allow_pickle: bool, url: str
-             ) -> tuple[dict[str, Any], list[ArrayItem], bool, list[AttachedFile]]:
-    """What a synchronous save writes: the state's tree and arrays, then the attached files' bytes."""
-    tree, leaves = flatten(state, allow_pickle=allow_pickle)
-    items = [describe(leaf) for leaf in leaves]
-    sources = open_sources(files, where={"store": url})
-    try:
-        items += [s.item(where={"store": url}) for s in sources]
-        attached = [s.record() for s in sources]
-    finally:
-        close_sources(sources)
-    return tree, items, allow_pickle and has_pickle(tree), attached
-
-
-def _check_cut_fields(tags: Sequence[str], metadata: dict[str, Any] | None, url: str) -> None:
-    if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags):
-        raise UsageError(f"tags must be a sequence of non-empty strings, got {tags!r}", store=url)
-    try:
-        json.dumps(metadata or {}, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"metadata must be JSON-serializable: {exc}", store=url) from None
 
 
 def _make_root(root: str, url: str) -> None:

@@ -49,6 +49,26 @@ from .ranked import RankedCuts
 from .shm import Block
 
 
+#: An argument not passed (``None`` is a value ``keep`` takes).
+_UNSET: Any = object()
+
+
+def _writer_options(options: WriterOptions | None, **given: Any) -> WriterOptions:
+    """``options``, or the WriterOptions the keywords make. Both at once is a UsageError naming the
+    keywords: ``options`` silently won before, so ``every``, ``keep``, ``mode`` and ``busy`` were
+    ignored (issue 20)."""
+    given = {k: v for k, v in given.items() if v is not _UNSET}
+    if options is None:
+        try:
+            return WriterOptions(**given)
+        except (TypeError, ValueError) as exc:  # an unknown keyword, a value out of range
+            raise UsageError(f"Checkpointer: {exc}") from None
+    if given:
+        raise UsageError(f"Checkpointer takes options= or its keywords, not both: {sorted(given)} would be "
+                         "ignored", hint="put them in the WriterOptions: dataclasses.replace(options, ...)")
+    return options
+
+
 class Checkpointer:
     """Takes background cuts of a training state into a store (see docs/writer.md)."""
 
@@ -56,10 +76,10 @@ class Checkpointer:
         self,
         url_or_store: str | Store,
         *,
-        every: int = 1,
-        keep: Policy | None = None,
-        mode: str = "process",
-        busy: str = "skip",
+        every: int = _UNSET,  # type: ignore[assignment]
+        keep: Policy | None = _UNSET,  # type: ignore[assignment]
+        mode: str = _UNSET,  # type: ignore[assignment]
+        busy: str = _UNSET,  # type: ignore[assignment]
         options: WriterOptions | None = None,
         store_options: StoreOptions | None = None,
         group: Any = None,
@@ -70,9 +90,7 @@ class Checkpointer:
         ``store_options``: compression, shard size, storage_options) or an open writer ``Store``.
         ``group``: a torch.distributed process group whose ranks take cuts together (collective calls;
         ``rank_timeout`` as in ``Store.open``); None is one process."""
-        if options is None:
-            options = WriterOptions(every=every, keep=keep, mode=mode, busy=busy, **more)  # type: ignore[arg-type]
-        self.options = options
+        self.options = options = _writer_options(options, every=every, keep=keep, mode=mode, busy=busy, **more)
         if isinstance(url_or_store, Store):
             if store_options is not None:
                 raise UsageError("store_options go with a URL; this store was opened with its own options",
@@ -326,8 +344,7 @@ class Checkpointer:
               files: FilesArg | None = None) -> CutHandle | None:
         if self._closed:
             raise UsageError("the checkpointer is closed", store=self.store.url)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise UsageError(f"step must be a non-negative int, got {step!r}", store=self.store.url)
+        layout.check_step(step, store=self.store.url)
         current = self._current
         if current is not None and not current.done:
             if periodic and self.options.busy == "skip":

@@ -97,10 +97,13 @@ class RankedCuts:
             raise UsageError("the checkpointer is closed", store=ck.store.url)
         current = ck._current
         local: BaseException | None = None
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            local = UsageError(f"step must be a non-negative int, got {step!r}", store=ck.store.url)
-        elif ck._last_step is not None and step <= ck._last_step:
-            local = StepConflict(f"step {step} is not above the last cut's step {ck._last_step}", store=ck.store.url)
+        try:
+            layout.check_step(step, store=ck.store.url)
+            if ck._last_step is not None and step <= ck._last_step:
+                local = StepConflict(f"step {step} is not above the last cut's step {ck._last_step}",
+                                     store=ck.store.url)
+        except UsageError as exc:  # posted like any local failure: every rank raises at this call
+            local = exc
         proposal = layout.new_cut_id(step) if self.ranks.rank == 0 and local is None else None
         # A rank lost here is named with the last cut taken, which is the one its loss fails.
         last = {"cut": current.id} if current is not None else {}

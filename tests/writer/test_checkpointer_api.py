@@ -135,3 +135,35 @@ def test_every_cut_emits_captured_written_committed_to_callback_and_file(url, tm
         assert com["bytes"] == wr["bytes"] and com["final"] is False and com["fallback"] is None
         assert com["timings"]["total"] >= com["timings"]["commit"] >= 0
         assert com["bytes"] == check_store(url).manifest(cut).nbytes
+
+
+def test_a_step_out_of_bounds_is_the_same_usage_error_on_every_path(url):
+    """Issue 20: maybe_cut(10**12) raised a raw ValueError, and save, the Checkpointer, ranked cuts and
+    the DCP writer had different bounds. One check now (layout.check_step), naming the store."""
+    from ckptstore.dcp import StoreWriter
+
+    with Checkpointer(url, every=1, mode="inline") as ck:
+        for bad in (10**12, -1, True, 1.0):
+            with pytest.raises(UsageError, match=r"step must be an int in \[0, 999999999999\]") as err:
+                ck.maybe_cut(bad, {"a": 1})
+            assert err.value.store == ck.store.url
+        ck.cut(10**12 - 1, {"a": 1}).wait(BOUND)  # the largest step a cut id holds
+    with Store.open(url) as store:
+        with pytest.raises(UsageError, match="step must be an int in"):
+            store.save({"a": 1}, step=10**12)
+    with pytest.raises(UsageError, match="step must be an int in"):
+        StoreWriter(url, 10**12)
+
+
+def test_options_and_their_keywords_together_are_refused(url):
+    """Issue 20: Checkpointer(options=..., every=...) silently ignored every, keep, mode and busy."""
+    from ckptstore.writer import WriterOptions
+
+    with pytest.raises(UsageError, match=r"not both: \['every', 'mode'\]"):
+        Checkpointer(url, options=WriterOptions(), every=5, mode="inline")
+    with pytest.raises(UsageError, match="every must be >= 1"):
+        Checkpointer(url, every=0)
+    with pytest.raises(UsageError, match="unexpected keyword"):
+        Checkpointer(url, evrey=5)
+    with Checkpointer(url, options=WriterOptions(every=3, mode="inline")) as ck:  # either alone is fine
+        assert ck.options.every == 3

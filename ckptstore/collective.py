@@ -1,0 +1,112 @@
+"""One driver for a step of a cut on one rank or many: a local step on every rank, a coordinator step
+on rank 0, and every failure carried to every rank (the shape of DCP's ``_DistWrapper``).
+
+World size 1 is the trivial case, not a second code path: ``Collective(None)`` runs the local step,
+then the coordinator step, and raises what they raise. With a :class:`~ckptstore.ranks.RankGroup`
+each step is followed by one exchange, so every rank learns every outcome at the same call:
+
+* :meth:`Collective.all` runs ``local`` on every rank; if it failed anywhere, the rank where it failed
+  raises its own error and every other rank a ``RankFailure`` naming the ranks that failed, with each
+  one's error type and message. Fields in ``same`` must be equal on every rank (else all raise, naming
+  the odd ranks).
+* :meth:`Collective.coordinate` runs ``step`` on rank 0 only and gives every rank its result (as JSON,
+  through ``share`` and ``receive``), or raises on every rank: rank 0 its own error, the others a
+  ``RankFailure`` naming rank 0 with that error. ``note`` (run on rank 0 after the failure) adds what
+  the others must know about it: that the cut may be committed when the commit itself failed, say.
+
+Every wait is the rank group's: bounded by ``rank_timeout`` against ranks with no sign of life, and
+failing at once against ranks in another collective call (:mod:`ckptstore.ranks`).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, TypeVar
+
+from .ranks import RankFailure, RankGroup, check_all_ok, check_same, outcome
+
+T = TypeVar("T")
+
+
+class Collective:
+    """The steps of one collective call (see the module docstring). ``where``: the store (and the cut,
+    once known: :meth:`at`) that every error names."""
+
+    def __init__(self, ranks: RankGroup | None, **where: Any) -> None:
+        self.ranks = ranks
+        self.where = dict(where)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.ranks is None else self.ranks.rank
+
+    @property
+    def size(self) -> int:
+        return 1 if self.ranks is None else self.ranks.size
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    def at(self, **where: Any) -> None:
+        """Adds to what every later error names (the cut, once rank 0 chose it)."""
+        self.where.update(where)
+
+    def busy(self) -> ContextManager[None]:
+        """Beats for the whole call: the others may wait while this rank works on its own step."""
+        return self.ranks.busy() if self.ranks is not None else nullcontext()
+
+    def all(self, what: str, local: Callable[[], T], *, same: dict[str, Any] | None = None,
+            doing: str | None = None) -> T:
+        """Runs ``local`` on every rank and returns its result here (see the module docstring)."""
+        err: BaseException | None = None
+        result: T | None = None
+        try:
+            result = local()
+        except BaseException as exc:  # noqa: BLE001 - every rank hears of it in the exchange
+            err = exc
+        if self.ranks is None:
+            if err is not None:
+                raise err
+            return result  # type: ignore[return-value]
+        msgs = self.ranks.exchange(what, {**outcome(err), **(same or {})}, **self.where)
+        if err is not None:
+            raise err
+        if same:
+            check_same(msgs, tuple(same), what, **self.where)
+        check_all_ok(msgs, doing or what, **self.where)
+        return result  # type: ignore[return-value]
+
+    def coordinate(self, what: str, step: Callable[[], T], *, share: Callable[[T], Any] = lambda r: r,
+                   receive: Callable[[Any], T] = lambda v: v, doing: str | None = None,
+                   note: Callable[[], str | None] = lambda: None, lost: str | None = None) -> T:
+        """Runs ``step`` on rank 0 and returns its result on every rank (see the module docstring).
+        ``lost``: added to the ``RankFailure`` of a rank that waited for rank 0's answer in vain (rank
+        0 went silent, or is in another call), since nobody can say how far its step got."""
+        if self.ranks is None:
+            return step()
+        err: BaseException | None = None
+        msg: dict[str, Any] = {"ok": True, "value": None}
+        result: T | None = None
+        if self.coordinator:
+            try:
+                result = step()
+                msg["value"] = share(result)
+            except BaseException as exc:  # noqa: BLE001 - every rank hears of it in the exchange
+                err = exc
+                msg = {**outcome(exc), "note": note()}
+        try:
+            got = self.ranks.exchange(what, msg, senders=[0], **self.where)[0]
+        except RankFailure as exc:
+            if lost and not self.coordinator:
+                exc.message += f"; {lost}"
+            raise
+        if err is not None:
+            raise err
+        if not got["ok"]:
+            note_ = f"; {got['note']}" if got.get("note") else ""
+            raise RankFailure(f"rank 0 failed {doing or what}: {got['error']}{note_}", ranks=[0], **self.where)
+        return result if self.coordinator else receive(got["value"])  # type: ignore[return-value]
+
+
+__all__ = ["Collective"]
