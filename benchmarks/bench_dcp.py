@@ -40,16 +40,17 @@ on the repository's file system (bench-out/, as bench_store.py); ratios are take
 
 With ``--out FILE``, only the region between ``<!-- bench_dcp:begin -->`` and ``<!-- bench_dcp:end -->``
 of FILE is replaced (appended when missing); the rest of the file (bench_store.py's report) is kept.
+
+This file runs the methods (``Bench``); the report, its row names and the phases it shows are
+dcpreport.py, and the helpers every benchmark shares benchkit.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime as _dt
 import gc
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -57,22 +58,14 @@ import time
 import warnings
 from typing import Any, Callable
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from dcpreport import (
+    DISK_READ, DISK_WRITE, FSR, FSW_DUR, FSW_SAVE, READER_PHASES, SR_NV, SR_V, SW_SAVE, WRITER_PHASES, report)
 
-SW_SAVE = "dcp.save, StoreWriter (returns committed: shards fsynced, manifest, LATEST)"
-FSW_SAVE = "dcp.save, FileSystemWriter as shipped (files fsynced, directory not)"
-FSW_DUR = "dcp.save, FileSystemWriter + fsync of the directory and its parent (durable)"
-DISK_WRITE = "(floor) disk: the same bytes, O_DIRECT from page-aligned memory + fsync (file, dir)"
-SR_V = "dcp.load, StoreReader verify=True"
-SR_NV = "dcp.load, StoreReader verify=False"
-FSR = "dcp.load, FileSystemReader"
-DISK_READ = "(floor) disk: raw read of the store's shard files, 8 MiB readinto"
-
-# The measurement helpers bench_store.py shares (no import-time side effects).
+# The measurement helpers the benchmarks share (no import-time side effects).
 from benchkit import (  # noqa: E402
-    GB, FloorRep, RssSampler, Series, drop_caches, files_under, fsync_dcp_dir, gbps, machine_summary, pin_malloc, read_files,
-    shard_files)
-from benchkit import ratio as _ratio, rotate as _rotate, secs as _secs, write_region as _write_region  # noqa: E402
+    REPO, FloorRep, RssSampler, Series, command_line, files_under, fsync_dcp_dir, measure_floors, pin_malloc,
+    prime_cache, publish, read_files, shard_files, started_at, timed_call, write_region)
+from benchkit import rotate as _rotate  # noqa: E402
 
 MALLOC_PINNED = pin_malloc()
 
@@ -81,9 +74,8 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 sys.path.insert(0, REPO)
 from ckptstore.dcp import StoreReader, StoreWriter  # noqa: E402
-from benchfloors import AlignedImage, blake3_pass, odirect_write  # noqa: E402
+from benchfloors import AlignedImage, odirect_write  # noqa: E402
 from benchstate import build_state, fmt  # noqa: E402
-from benchtargets import table as md_table  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,10 +98,6 @@ class PhaseTimer:
             finally:
                 self.secs[name] += time.perf_counter() - t0
         return timed
-
-
-WRITER_PHASES = ("prepare_global_plan", "write_data", "finish")
-READER_PHASES = ("read_metadata", "read_data")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,12 +175,9 @@ class Bench:
         w = StoreWriter(url, step=step)
         ph = PhaseTimer(w, WRITER_PHASES)
         self._settle()
-        with RssSampler() as rss:
-            t0 = time.perf_counter()
-            dcp.save(self.state, storage_writer=w)
-            dt = time.perf_counter() - t0
+        _out, dt, rss_mb = timed_call(lambda: dcp.save(self.state, storage_writer=w))
         assert w.info is not None and w.info.step == step, w.info
-        self._record(self.save, SW_SAVE, dt, rss.extra_mb, ph.secs)
+        self._record(self.save, SW_SAVE, dt, rss_mb, ph.secs)
         return url
 
     def save_fsw(self, rep: str) -> str:
@@ -242,20 +227,11 @@ class Bench:
                     paths: list[str], check: bool) -> None:
         self._zero_target()
         gc.collect()
-        if cold:
-            err = drop_caches()
-            if err is not None and self.cold_ok:
-                self.cold_ok = False
-                self.notes.append(f"drop_caches failed ({err}): the 'cold' load figures are WARM")
-        else:
-            read_files(paths)
-        with RssSampler() as rss:
-            t0 = time.perf_counter()
-            phases = fn()
-            dt = time.perf_counter() - t0
+        self.cold_ok = prime_cache(cold, paths, self.notes, self.cold_ok)
+        phases, dt, rss_mb = timed_call(fn)
         if check:
             self.check_target(name)
-        self._record(table, name, dt, rss.extra_mb, phases)
+        self._record(table, name, dt, rss_mb, phases)
 
     def load_methods(self, url: str, d: str) -> list[tuple[str, Callable[[], Any], list[str]]]:
         shards = shard_files(url)
@@ -279,9 +255,7 @@ class Bench:
         ]
 
     def measure_floors(self) -> FloorRep:
-        gc.collect()
-        memcpy = self.image.copy_in()
-        return FloorRep(memcpy, blake3_pass(self.image.view, threads=1), blake3_pass(self.image.view, threads=0))
+        return measure_floors(self.image)
 
     # ---------------------------------------------------------------------------------------- driver
     def run(self) -> None:
@@ -328,146 +302,6 @@ class Bench:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-# --------------------------------------------------------------------------------------------------
-# report
-
-
-def _phases(s: Series, keys: tuple[str, ...]) -> str:
-    return ", ".join(f"{k} {fmt([p.get(k, 0.0) for p in s.phases], 3)} s" for k in keys)
-
-
-def report_floors(b: Bench) -> list[str]:
-    n = b.nbytes
-    mc = [f.memcpy for f in b.floors]
-    b1 = [f.blake3_1t for f in b.floors]
-    ba = [f.blake3_auto for f in b.floors]
-    dw, dr = _secs(b.save, DISK_WRITE), _secs(b.load_cold, DISK_READ)
-    rows = [
-        [f"plain memcpy: `copy_` of every tensor into prefaulted page-aligned memory (torch threads "
-         f"{torch.get_num_threads()})", fmt([x.wall_s for x in mc], 3), fmt([x.gbps for x in mc]), "—"],
-        ["bare blake3 pass over those bytes in memory, 1 thread", fmt([x.wall_s for x in b1], 3),
-         fmt([x.gbps for x in b1]), fmt([x.cpu_s_per_gib for x in b1], 3)],
-        ["bare blake3 pass over those bytes in memory, AUTO threads (StoreWriter's default; CPU: the whole "
-         "process)", fmt([x.wall_s for x in ba], 3), fmt([x.gbps for x in ba]), fmt([x.cpu_s_per_gib for x in ba], 3)],
-        ["disk write: those bytes with O_DIRECT, 8 MiB requests, then fsync (file, dir); the save table's floor row",
-         fmt(dw, 3), fmt(gbps(n, dw)), "—"],
-        ["disk read: the store's shard files, cold page cache, 8 MiB readinto; the cold load table's floor row",
-         fmt(dr, 3), fmt(gbps(n, dr)), "—"],
-    ]
-    return (["### Floors (the state's own bytes, every repetition of this run)", ""]
-            + md_table(["floor", "wall s", "GB/s", "CPU s/GiB"], rows))
-
-
-def report_save(b: Bench) -> list[str]:
-    n = b.nbytes
-    disk, dur = _secs(b.save, DISK_WRITE), _secs(b.save, FSW_DUR)
-    order = [SW_SAVE, FSW_SAVE, FSW_DUR, DISK_WRITE]
-    rows = []
-    for name in order:
-        if name not in b.save:
-            continue
-        s = b.save[name]
-        rows.append([name, fmt(s.seconds), fmt(gbps(n, s.seconds)), _ratio(s.seconds, disk),
-                     "1 (reference)" if name == FSW_DUR else _ratio(s.seconds, dur), fmt(s.rss_mb, 0)])
-    b3 = [f.blake3_auto.wall_s for f in b.floors]
-    b3_1 = [f.blake3_1t.wall_s for f in b.floors]
-    L = ["### Save (until durable)", ""]
-    L += md_table(["method", "wall s", "GB/s", "time / disk floor", "time / FileSystemWriter + dir fsync",
-                   "peak extra RSS MB"], rows)
-    L.append("")
-    sw, fsw = b.save.get(SW_SAVE), b.save.get(FSW_DUR)
-    if sw and fsw:
-        gap = [a - c for a, c in zip(sw.seconds, fsw.seconds)]
-        L.append(f"StoreWriter hashes every byte with blake3 (AUTO threads); FileSystemWriter does not hash. A bare "
-                 f"blake3 pass over the same bytes took {fmt(b3, 3)} s (AUTO) / {fmt(b3_1, 3)} s (1 thread) in this "
-                 f"run, beside StoreWriter's time minus FileSystemWriter + dir fsync's (paired per repetition): "
-                 f"{'; '.join(f'{x:+.3f}' for x in gap)} s (negative: StoreWriter was faster).")
-        L.append("")
-        L.append(f"Phases (wall s spent inside the writer's methods; the rest is DCP's planning): StoreWriter: "
-                 f"{_phases(sw, WRITER_PHASES)}; FileSystemWriter: {_phases(fsw, WRITER_PHASES + ('fsync_dcp_dir',))}.")
-    if b.sizes["store"]:
-        L.append("")
-        L.append(f"Bytes on disk: the store {b.sizes['store'][-1]:,} (all its files: shards, manifest, "
-                 f"LATEST, ...), FileSystemWriter's directory {b.sizes['fsw'][-1]:,}; the state's tensors {n:,}.")
-    if not disk:
-        L.append("")
-        L.append("**The disk floor is missing from this run (see the notes).**")
-    return L
-
-
-def report_loads(b: Bench) -> list[str]:
-    n = b.nbytes
-    L: list[str] = []
-    for cold, t in ((True, b.load_cold), (False, b.load_warm)):
-        title = ("### Load, cold page cache (sync + drop_caches before each)" if cold
-                 else "### Load, warm page cache (the files read once right before)")
-        if cold and not b.cold_ok:
-            title += " - **drop_caches FAILED: these are WARM figures**"
-        L += ["", title, ""]
-        ref, floor = _secs(t, FSR), _secs(t, DISK_READ)
-        rows = []
-        for name in (SR_V, SR_NV, FSR, DISK_READ):
-            if name not in t:
-                continue
-            s = t[name]
-            rows.append([name, fmt(s.seconds), fmt(gbps(n, s.seconds)),
-                         "1 (reference)" if name == FSR else _ratio(s.seconds, ref), _ratio(s.seconds, floor),
-                         fmt(s.rss_mb, 0)])
-        L += md_table(["method", "wall s", "GB/s", "time / FileSystemReader", "time / raw read floor",
-                       "peak extra RSS MB"], rows)
-        L.append("")
-        parts = [f"{name.removeprefix('dcp.load, ')}: {_phases(t[name], READER_PHASES)}"
-                 for name in (SR_V, SR_NV, FSR) if name in t and t[name].phases]
-        L.append("Phases (wall s inside the reader's methods; read_data includes the copy into the target): "
-                 + "; ".join(parts) + ".")
-    return L
-
-
-SAYS_PLACEHOLDER = "(fill in by hand from this run's numbers)"
-
-
-def report(b: Bench, cmd: str, started: str, wall: float, load_before: tuple, load_after: tuple,
-           says: str) -> str:
-    n = b.nbytes
-    L = [
-        "## DCP backend: StoreWriter/StoreReader beside FileSystemWriter",
-        "",
-        "Generated by `benchmarks/bench_dcp.py` (the text under \"What this run says\" is written by hand).",
-        "",
-        f"* Command: `{cmd}`",
-        f"* Started {started}; the whole run took {wall:.0f} s.",
-        *[f"* {line}" for line in machine_summary(REPO)],
-        f"* Load average (1/5/15 min) before: {'/'.join(f'{x:.2f}' for x in load_before)}; after: "
-        f"{'/'.join(f'{x:.2f}' for x in load_after)}.",
-        "",
-        f"State: build_state({b.args.gib:g}): {b.ntensors} tensors, {n:,} bytes ({n / GB:.3f} GB), plus the "
-        f"param_groups and the step (DCP byte-IO items); {b.args.reps} repetitions, figures are median (min-max); "
-        "ratios are paired per repetition. GB = 1e9 bytes. One process, DCP without a process group; every "
-        f"repetition runs every method in a rotated order, into fresh directories under bench-out/ (the "
-        f"repository's file system); `os.sync()` and {b.args.settle:g} s of idle before each timed save; an "
-        f"untimed warm-up save and load of each backend first: {b.args.warmup}. FileSystemWriter/Reader with "
-        "their defaults (1 thread, sync_files=True). The two FileSystemWriter rows are one save timed twice: "
-        "when dcp.save returns and after fsync of the directory and its parent (bench_ranks.py's "
-        "`fsync_dcp_dir`). Loads go into one preallocated state of the same structure, zeroed before each; "
-        f"checked equal to the saved state (torch.equal) after the first cold load of: "
-        f"{'; '.join(c.removeprefix('dcp.load, ') for c in b.checked) or 'none'}. "
-        f"glibc mmap threshold pinned: {MALLOC_PINNED}.",
-        "",
-    ]
-    L += report_floors(b)
-    L += [""] + report_save(b)
-    L += report_loads(b)
-    for note in b.notes:
-        L += ["", f"Note: {note}"]
-    L += ["", "### What this run says", "", says.strip() or SAYS_PLACEHOLDER]
-    return "\n".join(L) + "\n"
-
-
-def write_region(path: str, body: str) -> None:
-    """Replaces the bench_dcp region of ``path`` (appends it when missing); the rest is untouched."""
-    _write_region(path, body, "bench_dcp")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="approximate state size in GiB (default 1)")
@@ -486,9 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     # assuming the intent is to save/load in a single process" on every call: that is this benchmark's intent.
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     warnings.filterwarnings("ignore", message=".*[Pp]rocess [Gg]roup.*")
-    cmd = " ".join([".venv/bin/python", "benchmarks/bench_dcp.py",
-                    *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
-    started = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    cmd = command_line("bench_dcp.py", argv)
+    started = started_at()
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     b = Bench(args)
@@ -500,12 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.says:
         with open(args.says, encoding="utf-8") as f:
             says = f.read()
-    body = report(b, cmd, started, time.perf_counter() - t0, load_before, os.getloadavg(), says)
-    print()
-    print(body)
-    if args.out:
-        write_region(args.out, body)
-        print(f"wrote the bench_dcp region of {args.out}")
+    body = report(b, MALLOC_PINNED, cmd, started, time.perf_counter() - t0, load_before, os.getloadavg(), says)
+    # Only this benchmark's region of the file is replaced: bench_store.py's report around it stays.
+    publish(body, args.out, lambda path, text: write_region(path, text, "bench_dcp"),
+            "wrote the bench_dcp region of {}")
     return 0
 
 

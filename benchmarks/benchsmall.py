@@ -3,7 +3,8 @@
 What it stresses is the per-tensor cost (manifest records, header entries, one slot per tensor), not the
 disk: at the default 40,000 tensors the payload is only 164 MB. The methods here are plain functions of a
 directory and the state; bench_store times them (settle, fsync, rotation, drop_caches) as it does its main
-case. torch is imported lazily.
+case, and its main case uses the DCP save and the loads too (one copy of each, issue 20). torch is imported
+lazily.
 """
 
 from __future__ import annotations
@@ -72,13 +73,13 @@ def save_safetensors(d: str, s: SmallState) -> Callable[[], None]:
     return run
 
 
-def save_dcp(d: str, s: SmallState) -> Callable[[], None]:
-    """dcp.save without a process group (single-process mode), FileSystemWriter defaults, as bench_store's
-    main case calls it; FileSystemWriter fsyncs its files, the directory is fsynced here."""
+def save_dcp(d: str, state: Any) -> Callable[[], None]:
+    """dcp.save of ``state`` without a process group (single-process mode), FileSystemWriter defaults, for
+    both of bench_store's cases; FileSystemWriter fsyncs its files, the directory is fsynced here."""
     import torch.distributed.checkpoint as dcp
 
     def run() -> None:
-        dcp.save(s.state, storage_writer=dcp.FileSystemWriter(d))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(d))
         fsync_path(d)
 
     return run
