@@ -55,6 +55,7 @@ from typing import Any, Callable, Sequence
 from . import hashing, layout
 from .errors import CkptStoreError, DataError, StorageError, StoreLocked
 from .ident import host_identity
+from .kinds import StrKind
 from .latest import Pointer
 from .arrays import ArrayItem
 from .manifest import FileRecord, Manifest, RankRecord, TensorRecord
@@ -63,18 +64,41 @@ from .labels import Label, label_path
 from .marks import BadCut, FinalMark, Mark
 from .storage import ConditionFailed, Storage
 
-PhaseHook = Callable[[str, str], None]
+
+class SavePhase(StrKind):
+    """The named points of a save (module docstring), in protocol order; ``on_phase`` gets one after
+    the step it names is durable."""
+
+    MARK_WRITTEN = "mark-written"
+    SHARD_WRITTEN = "shard-written"
+    SHARDS_SYNCED = "shards-synced"
+    RANK_WRITTEN = "rank-written"  # cuts of several ranks only
+    MANIFEST_WRITTEN = "manifest-written"
+    LATEST_WRITTEN = "latest-written"
+    MARK_REMOVED = "mark-removed"
+
+
+class PrunePhase(StrKind):
+    """The named points of a prune, in protocol order."""
+
+    UNCOMMITTED = "prune-uncommitted"
+    FILES_DELETED = "prune-files-deleted"
+    REMOVED = "prune-removed"
+
+
+PhaseHook = Callable[[SavePhase | PrunePhase, str], None]
 Guard = Callable[[], None]
 
-SAVE_PHASES = ("mark-written", "shard-written", "shards-synced", "manifest-written", "latest-written", "mark-removed")
-PRUNE_PHASES = ("prune-uncommitted", "prune-files-deleted", "prune-removed")
+#: Every phase, for crash tables that must cover them all ("rank-written" was missing: issue 20).
+SAVE_PHASES = tuple(SavePhase)
+PRUNE_PHASES = tuple(PrunePhase)
 
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-class CommitUnknown(StorageError):
+class CommitUnknown(StorageError, wire="commit-unknown"):
     """Replacing LATEST failed in a way that may or may not have landed; the cut keeps its mark, and
     the next open decides (committed if LATEST names it, removed otherwise)."""
 
@@ -96,7 +120,7 @@ class CommitProtocol:
     def url(self) -> str:
         return self._storage.url
 
-    def phase(self, name: str, cut: str) -> None:
+    def phase(self, name: SavePhase | PrunePhase, cut: str) -> None:
         if self._on_phase is not None:
             self._on_phase(name, cut)
 
@@ -107,24 +131,25 @@ class CommitProtocol:
         mark = Mark(cut=cut, step=step, host=ident.host, pid=ident.pid, started_at=now_iso(), writer=writer)
         self._storage.write_durably(layout.mark_path(cut), mark.to_bytes())
         self._storage.make_dir(layout.cut_dir(cut))
-        self.phase("mark-written", cut)
+        self.phase(SavePhase.MARK_WRITTEN, cut)
 
     def write_shards(self, cut: str, rank: int, items: Sequence[ArrayItem], **kw: Any
                      ) -> tuple[list[FileRecord], list[TensorRecord]]:
         """Step 2 for one rank: its shards, each fsynced (phase "shard-written" after each); ``kw`` as
         :func:`ckptstore.shards.write_shards` takes them."""
-        return write_shards(self._storage, cut, rank, items, on_shard=lambda: self.phase("shard-written", cut), **kw)
+        return write_shards(self._storage, cut, rank, items,
+                            on_shard=lambda: self.phase(SavePhase.SHARD_WRITTEN, cut), **kw)
 
     def files_durable(self, cut: str) -> None:
         """Step 3: the names of the cut's files are durable before a manifest names them."""
         self._storage.sync_dir(layout.cut_dir(cut))
-        self.phase("shards-synced", cut)
+        self.phase(SavePhase.SHARDS_SYNCED, cut)
 
     def publish_rank(self, record: RankRecord) -> None:
         """Step 3b (cuts of several ranks): a rank's record, durably, once its shards and their names
         are durable. Any rank may do this; it changes no committed state."""
         self._storage.write_durably(layout.rank_record_path(record.cut, record.rank), record.to_bytes())
-        self.phase("rank-written", record.cut)
+        self.phase(SavePhase.RANK_WRITTEN, record.cut)
 
     def ranks_published(self, cut: str) -> set[int]:
         """The ranks whose record is in the cut's directory now."""
@@ -146,7 +171,7 @@ class CommitProtocol:
         self._guard()
         data = manifest.to_bytes()
         self._storage.write_durably(layout.manifest_path(manifest.cut), data)
-        self.phase("manifest-written", manifest.cut)
+        self.phase(SavePhase.MANIFEST_WRITTEN, manifest.cut)
         return hashing.digest(data)
 
     def point_latest(self, cut: str, step: int, manifest_blake3: str) -> Pointer:
@@ -172,7 +197,7 @@ class CommitProtocol:
             raise CommitUnknown(f"replacing LATEST failed and may have landed: {exc.message}", errno=exc.errno,
                                 store=self.url, cut=cut, path=layout.LATEST_FILE,
                                 hint="the cut keeps its mark; the next open keeps it if LATEST names it") from exc
-        self.phase("latest-written", cut)
+        self.phase(SavePhase.LATEST_WRITTEN, cut)
         return pointer
 
     def _read_pointer(self) -> Pointer | None:
@@ -236,7 +261,7 @@ class CommitProtocol:
     def unmark(self, cut: str) -> None:
         """Step 6 (and recovery of a stale mark): the mark of a cut LATEST names goes, durably."""
         self._storage.delete(layout.mark_path(cut), durable=True)
-        self.phase("mark-removed", cut)
+        self.phase(SavePhase.MARK_REMOVED, cut)
 
     def abandon(self, cut: str) -> None:
         """Removes an uncommitted cut of this writer's: files, directory, then the mark (last, so a
@@ -252,7 +277,7 @@ class CommitProtocol:
         then the directory. Returns foreign names left in place."""
         self._guard()
         self._storage.delete(layout.manifest_path(cut), durable=True)
-        self.phase("prune-uncommitted", cut)
+        self.phase(PrunePhase.UNCOMMITTED, cut)
         foreign = self._remove_files(cut)
         if self._storage.exists(layout.final_path(cut)):
             self._storage.delete(layout.final_path(cut), durable=False)  # a crash before: gc removes it
@@ -291,10 +316,10 @@ class CommitProtocol:
                 foreign.append(f"{d}/{entry.name}")
                 continue
             self._storage.delete(f"{d}/{entry.name}", durable=False)
-        self.phase("prune-files-deleted", cut)
+        self.phase(PrunePhase.FILES_DELETED, cut)
         if not foreign:
             self._storage.remove_dir(d)
-        self.phase("prune-removed", cut)
+        self.phase(PrunePhase.REMOVED, cut)
         return foreign
 
     def remove_temp(self, rel: str) -> None:

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 from . import hashing
-from .errors import CkptStoreError, UsageError
+from .errors import RankFailure, UsageError  # RankFailure lives with the other errors (issue 20)
 
 #: Default seconds without a sign of life before a rank is declared failed.
 DEFAULT_RANK_TIMEOUT = 300.0
@@ -72,15 +72,6 @@ def store_namespace(url: str) -> str:
     else:
         name = f"{scheme}://{re.sub('/+', '/', rest).rstrip('/')}"
     return hashing.digest(name.encode())[:16]
-
-
-class RankFailure(CkptStoreError):
-    """One or more ranks failed (an error in their part, or no sign of life within ``rank_timeout``).
-    ``ranks`` are group ranks."""
-
-    def __init__(self, message: str, *, ranks: Sequence[int], **where: Any) -> None:
-        super().__init__(message, **where)
-        self.ranks = sorted(set(ranks))
 
 
 class RankGroup:
@@ -215,7 +206,7 @@ class RankGroup:
         call, or showed no sign of life within ``rank_timeout``."""
         if self._broken is not None:
             raise RankFailure(f"the ranks can no longer agree: {self._broken.message}", ranks=self._broken.ranks,
-                              **where)
+                              exchange=what, **where)
         if self._closed:
             raise UsageError("this rank group is closed", **where)
         self._seq += 1
@@ -230,10 +221,12 @@ class RankGroup:
                                     json.dumps({"x": what, "p": payload if sends else None})])
                 msgs = self._await_exchange(what, where)
             except RankFailure as exc:
+                exc.exchange = what  # raised while waiting in this exchange: say so as a field
                 self._broken = exc
                 raise
             except Exception as exc:  # noqa: BLE001 - the rendezvous store itself is gone
                 failure = self._store_gone(what, exc, where)
+                failure.exchange = what
                 self._broken = failure
                 raise failure from exc
         self._forget()

@@ -21,9 +21,33 @@ from .storage import Storage
 from .latest import Pointer
 from .manifest import Manifest
 from .info import CutInfo
+from .kinds import StrKind
 from .labels import Label, is_label_file_name, label_path
 from .marks import BadCut, FinalMark, Mark
 from .paths import refuse_symlinked_dirs
+
+
+class LeftoverKind(StrKind):
+    """What an interrupted save, prune or label left behind (``Leftover.kind``); spelled as before in
+    JSON, events and tables (issue 20: these kinds were listed only in a comment)."""
+
+    IN_PROGRESS = "in-progress"  # a marked cut with a directory: its writer is running or died
+    ORPHAN_MARK = "orphan-mark"  # a mark whose cut directory was never made
+    ABANDONED = "abandoned"  # a cut directory with neither manifest nor mark (a crash mid-prune or -abandon)
+    STALE_MARK = "stale-mark"  # the mark of a committed cut (step 6 never ran)
+    TEMP_FILE = "temp-file"  # a durable write's sibling temp file
+    STALE_LABEL = "stale-label"  # a label naming a cut that is not committed
+    BROKEN_LABEL = "broken-label"  # a label file that does not parse or hash to its name
+    STALE_FINAL_MARK = "stale-final-mark"  # a final mark whose cut is gone
+
+
+class LatestProblem(StrKind):
+    """Why LATEST is not healthy (``Classification.latest_problem_kind``)."""
+
+    MISSING = "missing"
+    UNREADABLE = "unreadable"
+    DANGLING = "dangling"
+    HASH_MISMATCH = "hash-mismatch"
 
 
 @dataclass
@@ -51,9 +75,7 @@ class Leftover:
     """Something an interrupted save or prune left behind. ``owner_alive`` is None when unknown."""
 
     cut: str | None
-    # "in-progress" | "abandoned" | "stale-mark" | "temp-file" | "orphan-mark" | "stale-final-mark" | "stale-label"
-    # | "broken-label"
-    kind: str
+    kind: LeftoverKind
     paths: list[str]
     owner: str | None = None
     owner_alive: bool | None = None
@@ -64,7 +86,7 @@ class Classification:
     committed: list[Manifest]  # ascending by step
     latest: Pointer | None
     latest_problem: str | None  # None when LATEST is fine (or absent in an empty store)
-    latest_problem_kind: str | None  # "missing" | "unreadable" | "dangling" | "hash-mismatch"
+    latest_problem_kind: LatestProblem | None
     leftovers: list[Leftover]
     broken: dict[str, DataError]  # cut dirs whose manifest is damaged (not crash leftovers)
     foreign: list[str]
@@ -286,46 +308,32 @@ def classify(st: DiskState) -> Classification:
             paths.append(layout.mark_path(cut))
         if cut in committed_ids:
             if cut in st.marks:
-                leftovers.append(Leftover(cut, "stale-mark", [layout.mark_path(cut)]))
+                leftovers.append(Leftover(cut, LeftoverKind.STALE_MARK, [layout.mark_path(cut)]))
             continue
         if cut in st.broken_manifests and cut not in st.marks:
             continue  # damage, reported as broken; never deleted as a leftover
         if cut in st.marks:
             owner = f"{mark.host}:{mark.pid}" if mark is not None else None
-            kind = "in-progress" if cut in st.cut_dirs else "orphan-mark"
+            kind = LeftoverKind.IN_PROGRESS if cut in st.cut_dirs else LeftoverKind.ORPHAN_MARK
             leftovers.append(Leftover(cut, kind, paths, owner, owner_alive(mark)))
         else:
-            leftovers.append(Leftover(cut, "abandoned", paths))
+            leftovers.append(Leftover(cut, LeftoverKind.ABANDONED, paths))
     for rel in st.tmp_files:
-        leftovers.append(Leftover(None, "temp-file", [rel]))
+        leftovers.append(Leftover(None, LeftoverKind.TEMP_FILE, [rel]))
     for lab in sorted(st.labels.values(), key=lambda x: x.label):
         if lab.cut not in committed_ids:
-            leftovers.append(Leftover(lab.cut, "stale-label", [label_path(lab.label)]))
+            leftovers.append(Leftover(lab.cut, LeftoverKind.STALE_LABEL, [label_path(lab.label)]))
     for rel in st.broken_labels:
-        leftovers.append(Leftover(None, "broken-label", [rel]))
+        leftovers.append(Leftover(None, LeftoverKind.BROKEN_LABEL, [rel]))
     for cut in sorted(set(st.final) - committed_ids):
         # A cut id is never reused, so a final mark whose cut is gone can never apply again.
-        leftovers.append(Leftover(cut, "stale-final-mark", [layout.final_path(cut)]))
-
-    problem = kind = None
-    if st.latest_error is not None:
-        problem, kind = f"LATEST is unreadable: {st.latest_error.message}", "unreadable"
-    elif st.latest is not None:
-        if latest_cut in st.broken_manifests:
-            # Say why: "not a committed cut" alone hides that its manifest exists but is damaged.
-            exc = st.broken_manifests[latest_cut]
-            problem, kind = f"LATEST names {latest_cut}, whose manifest is damaged ({exc.path}: {exc.message})", "dangling"
-        elif latest_cut not in committed_ids:
-            problem, kind = f"LATEST names {latest_cut}, which is not a committed cut", "dangling"
-        elif st.manifest_hashes.get(latest_cut) != st.latest.manifest_blake3:
-            problem, kind = f"LATEST's manifest hash does not match {latest_cut}'s manifest", "hash-mismatch"
-    elif committed:
-        problem, kind = "LATEST is missing although committed cuts exist", "missing"
+        leftovers.append(Leftover(cut, LeftoverKind.STALE_FINAL_MARK, [layout.final_path(cut)]))
+    problem, latest_kind = _latest_health(st, committed_ids)
     return Classification(
         committed=committed,
         latest=st.latest if problem is None else None,
         latest_problem=problem,
-        latest_problem_kind=kind,
+        latest_problem_kind=latest_kind,
         leftovers=leftovers,
         broken=dict(st.broken_manifests),
         foreign=sorted(st.foreign),
@@ -333,3 +341,24 @@ def classify(st: DiskState) -> Classification:
         final={c for c in st.final if c in committed_ids},
         labels={name: lab.cut for name, lab in st.labels.items() if lab.cut in committed_ids},
     )
+
+
+def _latest_health(st: DiskState, committed_ids: set[str]) -> tuple[str | None, LatestProblem | None]:
+    """What is wrong with LATEST, and its kind; (None, None) when it is fine or rightly absent."""
+    latest_cut = st.latest.cut if st.latest is not None else None
+    if st.latest_error is not None:
+        return f"LATEST is unreadable: {st.latest_error.message}", LatestProblem.UNREADABLE
+    if st.latest is None:
+        if committed_ids:
+            return "LATEST is missing although committed cuts exist", LatestProblem.MISSING
+        return None, None
+    if latest_cut in st.broken_manifests:
+        # Say why: "not a committed cut" alone hides that its manifest exists but is damaged.
+        exc = st.broken_manifests[latest_cut]
+        return (f"LATEST names {latest_cut}, whose manifest is damaged ({exc.path}: {exc.message})",
+                LatestProblem.DANGLING)
+    if latest_cut not in committed_ids:
+        return f"LATEST names {latest_cut}, which is not a committed cut", LatestProblem.DANGLING
+    if st.manifest_hashes.get(latest_cut) != st.latest.manifest_blake3:
+        return f"LATEST's manifest hash does not match {latest_cut}'s manifest", LatestProblem.HASH_MISMATCH
+    return None, None

@@ -18,7 +18,7 @@ from .info import CutInfo
 from .manifest import Manifest
 from .recovery import Classification
 from .storage import Storage
-from .verify import VerifyReport, verify_store
+from .verify import FindingKind, VerifyReport, verify_store
 
 CutSelector = str | int
 #: Called with (cut id, reason) for each cut fallback proved damaged.
@@ -63,7 +63,7 @@ def select_manifest(cls: Classification, cut: CutSelector, url: str) -> Manifest
 def raise_io_errors(report: VerifyReport) -> None:
     """An audit that could not read a file proves nothing about it: raise, never skip or record."""
     for f in report.errors:
-        if f.kind == "io-error":
+        if f.kind == FindingKind.IO_ERROR:
             raise StorageError(f"could not check the cut: {f.message}", store=report.store, cut=f.cut, path=f.path,
                                hint="a transient I/O error: retry; the cut was not recorded bad")
 
@@ -99,7 +99,7 @@ def choose_cut(storage: Storage, cls: Classification, *, fallback: bool,
             continue
         report = verify_store(storage, cls, cut=m.cut)
         raise_io_errors(report)
-        errors = [f for f in report.errors if not f.kind.startswith("latest-")]
+        errors = [f for f in report.errors if not f.kind.about_latest]
         if errors:
             skipped[m.cut] = f"{errors[0].kind}: {errors[0].message}"
             if on_bad is not None:

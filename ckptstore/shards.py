@@ -24,7 +24,7 @@ import zstandard
 
 from . import hashing, layout
 from .arrays import ArrayItem
-from .errors import CorruptCut, MissingFile, StorageError, TruncatedFile
+from .errors import CorruptCut, HashMismatch, MissingFile, StorageError, TruncatedFile
 from .format import DATA_ALIGN, ShardHeader, decode_header, encode_header, header_dtype
 from .storage import Storage
 from .storage.posix import NotRegular, not_a_file, open_regular
@@ -327,13 +327,13 @@ class _RawStream:
         """The plain blake3 of the stored bytes against ``blake3`` (v1; v2 for zstd files)."""
         got = self.stored.hexdigest()
         if got != self.record.blake3:
-            raise CorruptCut(f"blake3 mismatch: expected {self.record.blake3}, found {got}", **self.where)
+            raise HashMismatch(f"blake3 mismatch: expected {self.record.blake3}, found {got}", **self.where)
 
     def check_raw_plain(self) -> None:
         """v1, compressed files: the plain blake3 of the decoded bytes against ``raw_blake3``."""
         got_raw = self.raw.hexdigest()
         if got_raw != self.record.raw_blake3:
-            raise CorruptCut(f"raw blake3 mismatch: expected {self.record.raw_blake3}, found {got_raw}", **self.where)
+            raise HashMismatch(f"raw blake3 mismatch: expected {self.record.raw_blake3}, found {got_raw}", **self.where)
 
     def close(self) -> None:
         for closer in (self.stored.close, self.raw.close, self.file.close):
@@ -402,7 +402,7 @@ def check_tensor_digests(digests: Iterable[tuple[TensorRecord, bytes]], where: d
     for t, d in digests:
         got = d.hex()
         if got != t.blake3:
-            raise CorruptCut(f"tensor {t.name!r}: blake3 mismatch, expected {t.blake3}, found {got}", **where)
+            raise HashMismatch(f"tensor {t.name!r}: blake3 mismatch, expected {t.blake3}, found {got}", **where)
 
 
 def check_file_digest_v2(record: FileRecord, got: str, where: dict) -> None:
@@ -410,7 +410,7 @@ def check_file_digest_v2(record: FileRecord, got: str, where: dict) -> None:
     raw bytes (codec "none")."""
     for expected in (record.raw_blake3, record.blake3) if record.codec == "none" else (record.raw_blake3,):
         if got != expected:
-            raise CorruptCut(f"blake3 mismatch: expected {expected}, found {got}", **where)
+            raise HashMismatch(f"blake3 mismatch: expected {expected}, found {got}", **where)
 
 
 def check_header_matches(header: ShardHeader, tensors: Iterable[TensorRecord], where: dict) -> None:
@@ -588,7 +588,7 @@ def read_tensor_range(
     if verify:
         got = hashing.digest(data)
         if got != t.blake3:
-            raise CorruptCut(f"tensor {t.name!r}: blake3 mismatch, expected {t.blake3}, found {got}", **where)
+            raise HashMismatch(f"tensor {t.name!r}: blake3 mismatch, expected {t.blake3}, found {got}", **where)
     view[:] = data
 
 

@@ -715,7 +715,7 @@ class Store:
         for m in reversed(cls.committed):
             report = verify_store(self.storage, cls, cut=m.cut, progress=progress)
             raise_io_errors(report)
-            if report.ok or all(f.kind.startswith("latest-") for f in report.errors):
+            if report.ok or all(f.kind.about_latest for f in report.errors):
                 with _latest_must_be_a_file(self.url):
                     info = self.point_latest(m.cut)
                 self.events.emit("repaired", cut=m.cut, step=m.step)

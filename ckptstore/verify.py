@@ -2,7 +2,8 @@
 first one.
 
 A finding has a ``severity``: "error" (committed data or the commit point is damaged: the audit fails)
-or "notice" (leftovers of an interrupted save or prune, foreign files: ``gc`` material, not damage).
+or "notice" (leftovers of an interrupted save or prune, foreign files: ``gc`` material, not damage),
+and a :class:`FindingKind`, compared by member, never by a prefix or a message's words (issue 20).
 """
 
 from __future__ import annotations
@@ -13,26 +14,98 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from . import hashing, layout
-from .errors import CkptStoreError, StorageError, CorruptCut, DataError, MissingFile, NotAFile, TruncatedFile
+from .errors import (CkptStoreError, StorageError, CorruptCut, DataError, HashMismatch, MissingFile, NotAFile,
+                     TruncatedFile)
+from .kinds import StrKind
 from .latest import Pointer
 from .storage import Storage
 from .manifest import FileRecord, Manifest
-from .recovery import Classification
+from .recovery import Classification, LatestProblem, LeftoverKind
 from .shards import check_file_digest_v2, check_header_matches, local_digests_v2, read_header, read_shard_into
 from .tree import check_tree, has_pickle, leaf_names
 
 Progress = Callable[[int], None]
 
 
+class FindingKind(StrKind):
+    """What an audit found; spelled in JSON and tables as before."""
+
+    # errors about one file of a committed cut
+    MISSING_FILE = "missing-file"
+    SIZE_MISMATCH = "size-mismatch"
+    HASH_MISMATCH = "hash-mismatch"
+    TRUNCATED = "truncated"
+    NOT_A_FILE = "not-a-file"
+    CORRUPT_FILE = "corrupt-file"
+    UNREADABLE = "unreadable"
+    IO_ERROR = "io-error"  # could not read: proves nothing about the bytes
+    # errors about a cut or the commit point
+    MANIFEST_BROKEN = "manifest-broken"
+    TREE_INVALID = "tree-invalid"
+    LATEST_MISSING = "latest-missing"
+    LATEST_UNREADABLE = "latest-unreadable"
+    LATEST_DANGLING = "latest-dangling"
+    LATEST_HASH_MISMATCH = "latest-hash-mismatch"
+    # notices
+    DCP_BYTE_IO = "dcp-byte-io"
+    RECORDED_BAD = "recorded-bad"
+    REMOVED_DURING_VERIFY = "removed-during-verify"
+    FOREIGN = "foreign"
+    LEFTOVER_IN_PROGRESS = "leftover-in-progress"
+    LEFTOVER_ORPHAN_MARK = "leftover-orphan-mark"
+    LEFTOVER_ABANDONED = "leftover-abandoned"
+    LEFTOVER_STALE_MARK = "leftover-stale-mark"
+    LEFTOVER_TEMP_FILE = "leftover-temp-file"
+    LEFTOVER_STALE_LABEL = "leftover-stale-label"
+    LEFTOVER_BROKEN_LABEL = "leftover-broken-label"
+    LEFTOVER_STALE_FINAL_MARK = "leftover-stale-final-mark"
+
+    @property
+    def about_latest(self) -> bool:
+        """Whether this finding is about LATEST itself (not about the cut being audited)."""
+        return self in _OF_LATEST.values()
+
+    @classmethod
+    def of_latest(cls, problem: LatestProblem) -> "FindingKind":
+        return _OF_LATEST[problem]
+
+    @classmethod
+    def of_leftover(cls, kind: LeftoverKind) -> "FindingKind":
+        return _OF_LEFTOVER[kind]
+
+
+_OF_LATEST = {
+    LatestProblem.MISSING: FindingKind.LATEST_MISSING,
+    LatestProblem.UNREADABLE: FindingKind.LATEST_UNREADABLE,
+    LatestProblem.DANGLING: FindingKind.LATEST_DANGLING,
+    LatestProblem.HASH_MISMATCH: FindingKind.LATEST_HASH_MISMATCH,
+}
+_OF_LEFTOVER = {
+    LeftoverKind.IN_PROGRESS: FindingKind.LEFTOVER_IN_PROGRESS,
+    LeftoverKind.ORPHAN_MARK: FindingKind.LEFTOVER_ORPHAN_MARK,
+    LeftoverKind.ABANDONED: FindingKind.LEFTOVER_ABANDONED,
+    LeftoverKind.STALE_MARK: FindingKind.LEFTOVER_STALE_MARK,
+    LeftoverKind.TEMP_FILE: FindingKind.LEFTOVER_TEMP_FILE,
+    LeftoverKind.STALE_LABEL: FindingKind.LEFTOVER_STALE_LABEL,
+    LeftoverKind.BROKEN_LABEL: FindingKind.LEFTOVER_BROKEN_LABEL,
+    LeftoverKind.STALE_FINAL_MARK: FindingKind.LEFTOVER_STALE_FINAL_MARK,
+}
+
+
 @dataclass(frozen=True)
 class Finding:
     severity: str  # "error" | "notice"
-    kind: str
+    kind: FindingKind
     message: str
     cut: str | None = None
     path: str | None = None
     expected: str | None = None
     found: str | None = None
+
+    def __post_init__(self) -> None:
+        # A kind given by its spelling becomes the member; an unknown one is refused here, not
+        # reported under a kind no reader knows.
+        object.__setattr__(self, "kind", FindingKind(self.kind))
 
 
 @dataclass
@@ -67,70 +140,84 @@ def verify_file(storage: Storage, m: Manifest, rec: FileRecord, progress: Progre
     defines them (v2: every array's blake3, then the file digest; v1: the plain blake3 of the stored
     and raw bytes), and its header against the manifest. Returns findings instead of raising."""
     rel = layout.cut_file(m.cut, rec.name)
-    tensors = [t for t in m.tensors if t.file == rec.name]
     try:
-        if not storage.exists(rel):
-            return [Finding("error", "missing-file", f"{rel} is missing", m.cut, rel)]
-        size = storage.size(rel)
-        if size != rec.nbytes:
-            return [Finding("error", "size-mismatch", f"{rel}: expected {rec.nbytes} bytes, found {size}",
-                            m.cut, rel, str(rec.nbytes), str(size))]
-        local = storage.local_path(rel)
-        where = {"store": storage.url, "cut": m.cut, "path": rel}
-        if rec.codec == "none" and local is not None and m.format_version >= 2:
-            # Each byte hashed once: every array's range of the mapped file, then the file digest of
-            # the bytes before the data section and the array digests. Hashes before structure, so
-            # damage anywhere (header included) is a hash-mismatch with both digests named.
-            digests, got = local_digests_v2(local, rec, tensors, where)
-            if progress is not None:
-                progress(size)
-            for t, d in digests:
-                if d.hex() != t.blake3:
-                    return [Finding("error", "hash-mismatch", f"{rel}: tensor {t.name!r}: blake3 mismatch",
-                                    m.cut, rel, t.blake3, d.hex())]
-            try:
-                check_file_digest_v2(rec, got, where)
-            except CorruptCut:
-                expected = rec.raw_blake3 if got != rec.raw_blake3 else rec.blake3
-                return [Finding("error", "hash-mismatch", f"{rel}: blake3 mismatch (file digest: header bytes)",
-                                m.cut, rel, expected, got)]
-            header = read_header(storage, m.cut, rec)
-            check_header_matches(header, tensors, where)
-        elif rec.codec == "none" and local is not None:
-            got = hashing.digest_file(local)
-            if progress is not None:
-                progress(size)
-            if got != rec.blake3:
-                return [Finding("error", "hash-mismatch", f"{rel}: blake3 mismatch", m.cut, rel, rec.blake3, got)]
-            header = read_header(storage, m.cut, rec)
-            check_header_matches(header, tensors, {"store": storage.url, "cut": m.cut, "path": rel})
-        else:
-            # Each array streams through one buffer of at most 8 MiB (never its own size: a 131 KB zstd
-            # bomb claiming a 4 GiB array cost 4.2 GB here, issue 10 item 9).
-            read_shard_into(storage, m.cut, rec, tensors, lambda t: None,
-                            format_version=m.format_version, verify=True, on_bytes=progress, reuses_buffers=True)
-    except TruncatedFile as exc:
-        return [Finding("error", "truncated", exc.message, m.cut, rel)]
-    except NotAFile as exc:  # a symlink, FIFO or directory in the shard's place: damage (issue 19 item 12)
-        return [Finding("error", "not-a-file", exc.message, m.cut, rel)]
-    except MissingFile:  # deleted between the exists() above and reading it
-        return [Finding("error", "missing-file", f"{rel} is missing", m.cut, rel)]
-    except CorruptCut as exc:
-        kind = "hash-mismatch" if "blake3" in exc.message else "corrupt-file"
-        return [Finding("error", kind, exc.message, m.cut, rel)]
-    except FileNotFoundError:  # raw, from a backend or a plain hashing read: gone since exists() above
-        return [Finding("error", "missing-file", f"{rel} is missing", m.cut, rel)]
-    except StorageError as exc:
+        return _check_file(storage, m, rec, rel, progress)
+    except (CkptStoreError, FileNotFoundError) as exc:
+        return [_error_finding(storage, exc, m.cut, rel)]
+
+
+def _check_file(storage: Storage, m: Manifest, rec: FileRecord, rel: str, progress: Progress | None) -> list[Finding]:
+    """``verify_file``'s checks; damage it finds by comparing is a finding, damage a read finds raises."""
+    tensors = [t for t in m.tensors if t.file == rec.name]
+    if not storage.exists(rel):
+        return [Finding("error", FindingKind.MISSING_FILE, f"{rel} is missing", m.cut, rel)]
+    size = storage.size(rel)
+    if size != rec.nbytes:
+        return [Finding("error", FindingKind.SIZE_MISMATCH, f"{rel}: expected {rec.nbytes} bytes, found {size}",
+                        m.cut, rel, str(rec.nbytes), str(size))]
+    local = storage.local_path(rel)
+    where = {"store": storage.url, "cut": m.cut, "path": rel}
+    if rec.codec == "none" and local is not None and m.format_version >= 2:
+        # Each byte hashed once: every array's range of the mapped file, then the file digest of
+        # the bytes before the data section and the array digests. Hashes before structure, so
+        # damage anywhere (header included) is a hash-mismatch with both digests named.
+        digests, got = local_digests_v2(local, rec, tensors, where)
+        if progress is not None:
+            progress(size)
+        for t, d in digests:
+            if d.hex() != t.blake3:
+                return [Finding("error", FindingKind.HASH_MISMATCH, f"{rel}: tensor {t.name!r}: blake3 mismatch",
+                                m.cut, rel, t.blake3, d.hex())]
+        try:
+            check_file_digest_v2(rec, got, where)
+        except HashMismatch:
+            expected = rec.raw_blake3 if got != rec.raw_blake3 else rec.blake3
+            return [Finding("error", FindingKind.HASH_MISMATCH, f"{rel}: blake3 mismatch (file digest: header "
+                            "bytes)", m.cut, rel, expected, got)]
+        check_header_matches(read_header(storage, m.cut, rec), tensors, where)
+    elif rec.codec == "none" and local is not None:
+        got = hashing.digest_file(local)
+        if progress is not None:
+            progress(size)
+        if got != rec.blake3:
+            return [Finding("error", FindingKind.HASH_MISMATCH, f"{rel}: blake3 mismatch", m.cut, rel, rec.blake3,
+                            got)]
+        check_header_matches(read_header(storage, m.cut, rec), tensors, where)
+    else:
+        # Each array streams through one buffer of at most 8 MiB (never its own size: a 131 KB zstd
+        # bomb claiming a 4 GiB array cost 4.2 GB here, issue 10 item 9).
+        read_shard_into(storage, m.cut, rec, tensors, lambda t: None,
+                        format_version=m.format_version, verify=True, on_bytes=progress, reuses_buffers=True)
+    return []
+
+
+def _error_finding(storage: Storage, exc: CkptStoreError | FileNotFoundError, cut: str, rel: str) -> Finding:
+    """The finding of an error raised while one file was checked; the first class that matches wins."""
+    message = exc.message if isinstance(exc, CkptStoreError) else str(exc)
+    missing = Finding("error", FindingKind.MISSING_FILE, f"{rel} is missing", cut, rel)
+    if isinstance(exc, TruncatedFile):
+        return Finding("error", FindingKind.TRUNCATED, message, cut, rel)
+    if isinstance(exc, NotAFile):  # a symlink, FIFO or directory in the shard's place: damage (issue 19 item 12)
+        return Finding("error", FindingKind.NOT_A_FILE, message, cut, rel)
+    if isinstance(exc, MissingFile):  # deleted between the exists() check and reading it
+        return missing
+    if isinstance(exc, HashMismatch):  # by type: a tensor may be named "blake3" (issue 20)
+        return Finding("error", FindingKind.HASH_MISMATCH, message, cut, rel)
+    if isinstance(exc, CorruptCut):
+        return Finding("error", FindingKind.CORRUPT_FILE, message, cut, rel)
+    if not isinstance(exc, CkptStoreError):  # a raw FileNotFoundError (a backend, a plain hashing read)
+        return missing
+    if isinstance(exc, StorageError):
         if exc.errno == errno.ENOENT:
-            return [Finding("error", "missing-file", f"{rel} is missing", m.cut, rel)]
+            return missing
         # Could not read: proves nothing about the bytes. Fallback and repair raise on it instead of
         # skipping or quarantining the cut (ckptstore.selection).
-        return [Finding("error", "io-error", exc.message, m.cut, rel)]
-    except CkptStoreError as exc:
-        if not _exists(storage, rel):  # it went while it was read: absent, not unreadable (issue 10, item 12)
-            return [Finding("error", "missing-file", f"{rel} is missing", m.cut, rel)]
-        return [Finding("error", "unreadable", exc.message, m.cut, rel)]
-    return []
+        return Finding("error", FindingKind.IO_ERROR, message, cut, rel)
+    if isinstance(exc, FileNotFoundError) or not _exists(storage, rel):
+        # gone since the exists() check (a StoreNotFound, say), or while it was read: absent, not
+        # unreadable (issue 10, item 12)
+        return missing
+    return Finding("error", FindingKind.UNREADABLE, message, cut, rel)
 
 
 def _exists(storage: Storage, rel: str) -> bool:
@@ -194,23 +281,23 @@ def verify_store(
     report = VerifyReport(store=storage.url)
     add = report.findings.append
     if cls.latest_problem is not None:
-        add(Finding("error", f"latest-{cls.latest_problem_kind}", cls.latest_problem + "; run `ckptstore repair`",
-                    path=layout.LATEST_FILE))
+        kind = FindingKind.of_latest(cls.latest_problem_kind)  # type: ignore[arg-type]
+        add(Finding("error", kind, cls.latest_problem + "; run `ckptstore repair`", path=layout.LATEST_FILE))
     for c, exc in cls.broken.items():
         # Only in a whole-store audit: another cut's damage must not fail a one-cut audit (repair
         # checks one cut at a time and would otherwise find no cut that verifies).
         if cut is None:
-            add(Finding("error", "manifest-broken", exc.message, c, layout.manifest_path(c)))
+            add(Finding("error", FindingKind.MANIFEST_BROKEN, exc.message, c, layout.manifest_path(c)))
     targets = cls.committed if cut is None else [m for m in cls.committed if m.cut == cut]
     for m in targets:
         report.cuts_checked.append(m.cut)
         start = len(report.findings)
         problem = tree_problem(m)
         if problem is not None:
-            add(Finding("error", "tree-invalid", problem, m.cut, layout.manifest_path(m.cut)))
+            add(Finding("error", FindingKind.TREE_INVALID, problem, m.cut, layout.manifest_path(m.cut)))
         byte_io = dcp_byte_io_items(m)
         if byte_io:
-            add(Finding("notice", "dcp-byte-io", f"{byte_io} value(s) saved through DCP as torch.save bytes "
+            add(Finding("notice", FindingKind.DCP_BYTE_IO, f"{byte_io} value(s) saved through DCP as torch.save bytes "
                         f"(e.g. {dcp_byte_io_example(m)!r}): stored and hashed as uint8 arrays, never unpickled "
                         "by ckptstore; DCP's loader unpickles them (weights_only=False), so load this cut "
                         "through DCP only from a store you trust", m.cut, layout.manifest_path(m.cut)))
@@ -219,21 +306,21 @@ def verify_store(
             report.files_checked += 1
             report.bytes_hashed += rec.nbytes
         if m.cut in cls.bad:
-            add(Finding("notice", "recorded-bad", "cut was recorded bad by an earlier load", m.cut,
+            add(Finding("notice", FindingKind.RECORDED_BAD, "cut was recorded bad by an earlier load", m.cut,
                         layout.bad_path(m.cut)))
         # Whole-store audits only: a one-cut audit (repair, fallback, prune) must not pass a cut that is gone.
         if cut is None and removed_meanwhile(storage, cls, m.cut, report.findings[start:]):
             del report.findings[start:]
-            add(Finding("notice", "removed-during-verify", "the cut was removed (pruned) while it was verified: "
-                        "its files going is not damage", m.cut, layout.manifest_path(m.cut)))
+            add(Finding("notice", FindingKind.REMOVED_DURING_VERIFY, "the cut was removed (pruned) while it was "
+                        "verified: its files going is not damage", m.cut, layout.manifest_path(m.cut)))
     if cut is None:
         for lo in cls.leftovers:
             alive = {True: "alive", False: "dead", None: "unknown"}[lo.owner_alive]
             owner = f" (writer {lo.owner}, {alive})" if lo.owner else ""
-            add(Finding("notice", f"leftover-{lo.kind}", f"{lo.kind} leftover{owner}: {', '.join(lo.paths)}",
+            add(Finding("notice", FindingKind.of_leftover(lo.kind), f"{lo.kind} leftover{owner}: {', '.join(lo.paths)}",
                         lo.cut, lo.paths[0] if lo.paths else None))
         for rel in cls.foreign:
-            add(Finding("notice", "foreign", f"{rel} is not ckptstore's; left alone", path=rel))
+            add(Finding("notice", FindingKind.FOREIGN, f"{rel} is not ckptstore's; left alone", path=rel))
     return report
 
 
@@ -271,7 +358,7 @@ def _latest_cut_now(storage: Storage) -> str | None:
 def first_error(report: VerifyReport) -> DataError | None:
     """The first error finding as an exception (for loaders that refuse damaged cuts)."""
     for f in report.errors:
-        cls = TruncatedFile if f.kind in ("truncated", "size-mismatch") else CorruptCut
+        cls = TruncatedFile if f.kind in (FindingKind.TRUNCATED, FindingKind.SIZE_MISMATCH) else CorruptCut
         detail = f" (expected {f.expected}, found {f.found})" if f.expected else ""
         return cls(f.message + detail, store=report.store, cut=f.cut, path=f.path)
     return None

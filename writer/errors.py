@@ -6,6 +6,8 @@
         +-- WriterTimeout           the writer made no progress within write_timeout
         +-- ShmTooSmall (also MemoryError)   /dev/shm cannot hold the state
         +-- IllegalTransition       a cut's state machine was driven wrongly (a bug, never data loss)
+
+Each class is registered under its wire key (``ckptstore.errors.WIRE``, issue 20).
 """
 
 from __future__ import annotations
@@ -15,28 +17,27 @@ from typing import Any
 from ckptstore.errors import CkptStoreError
 
 
-class WriterError(CkptStoreError):
+class WriterError(CkptStoreError, wire="writer-error"):
     """A background cut failed; ``step`` says which."""
+
+    wire_fields = ("step",)
 
     def __init__(self, message: str, *, step: int | None = None, **fields: Any) -> None:
         self.step = step
         super().__init__(message, **fields)
 
-    def _extra(self) -> dict[str, Any]:
-        return {"step": self.step}
 
-
-class WriterDied(WriterError):
+class WriterDied(WriterError, wire="writer-died"):
     """The writer process exited while it held a cut."""
 
 
-class WriterTimeout(WriterError):
+class WriterTimeout(WriterError, wire="writer-timeout"):
     """The writer process made no progress within ``write_timeout``."""
 
 
-class ShmTooSmall(WriterError, MemoryError):
+class ShmTooSmall(WriterError, MemoryError, wire="shm-too-small"):
     """Shared memory cannot hold the state."""
 
 
-class IllegalTransition(WriterError):
+class IllegalTransition(WriterError, wire="illegal-transition"):
     """A cut's state machine was asked to make a transition it does not allow."""

@@ -5,10 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+from ckptstore.kinds import StrKind
 from ckptstore.retention import Policy
 
-Mode = Literal["process", "thread", "inline"]
 Busy = Literal["skip", "wait"]
+
+
+class WriterMode(StrKind):
+    """Who writes a background cut's shards (``WriterOptions.mode``). A cut's manifest records it as
+    its writer's mode, spelled as before; ``Store.save`` records "sync" there and DCP "dcp", which are
+    not writer modes (issue 20: ``mode`` meant three things, as strings)."""
+
+    PROCESS = "process"  # a persistent niced writer subprocess
+    THREAD = "thread"  # a thread of the trainer
+    INLINE = "inline"  # the call itself writes and commits
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +41,7 @@ class WriterOptions:
 
     every: int = 1
     keep: Policy | None = None
-    mode: Mode = "process"
+    mode: WriterMode = WriterMode.PROCESS
     busy: Busy = "skip"
     nice: int = 10
     idle_io: bool = False
@@ -47,8 +57,10 @@ class WriterOptions:
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ValueError("every must be >= 1")
-        if self.mode not in ("process", "thread", "inline"):
-            raise ValueError(f"mode must be 'process', 'thread' or 'inline', got {self.mode!r}")
+        try:  # a spelling ("thread") becomes the member, so every reader compares members
+            object.__setattr__(self, "mode", WriterMode(self.mode))
+        except (ValueError, TypeError):
+            raise ValueError(f"mode must be 'process', 'thread' or 'inline', got {self.mode!r}") from None
         if self.busy not in ("skip", "wait"):
             raise ValueError(f"busy must be 'skip' or 'wait', got {self.busy!r}")
         if not 0 <= self.nice <= 19:

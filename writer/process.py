@@ -18,7 +18,8 @@ import time
 
 from typing import Any, Sequence
 
-from ckptstore.errors import CkptStoreError, StorageError
+import ckptstore.protocol  # noqa: F401 - defines CommitUnknown: see rebuild_error
+from ckptstore.errors import CkptStoreError, from_wire
 from ckptstore.storage import StorageSpec
 
 from . import protocol as P
@@ -184,18 +185,16 @@ class WriterProcess:
 
 
 def rebuild_error(msg: P.WriteFailed, step: int) -> CkptStoreError:
-    """The writer's error, rebuilt with its class and fields where ckptstore knows the class."""
-    import ckptstore.errors as E
-
+    """The writer's error as its own type with its fields, by its wire key (issue 20); a
+    ``WriterError`` naming what came when it was no ckptstore error (or a key unknown here). The
+    modules that define errors outside ckptstore.errors (and writer.errors) are imported above, so
+    their keys are registered wherever this runs."""
+    exc = from_wire(msg.key, msg.message, msg.fields) if msg.key is not None else None
+    if isinstance(exc, WriterError) and exc.step is None:
+        exc.step = step
+    if exc is not None:
+        return exc
     fields = {k: v for k, v in msg.fields.items() if k in ("store", "cut", "path", "hint") and v is not None}
-    cls = getattr(E, msg.error_type, None)
-    if isinstance(cls, type) and issubclass(cls, CkptStoreError):
-        if issubclass(cls, StorageError):
-            return cls(msg.message, errno=msg.fields.get("errno"), **fields)
-        try:
-            return cls(msg.message, **fields)
-        except TypeError:
-            pass
     fields.setdefault("cut", msg.cut)
     return WriterError(f"writer failed: {msg.error_type}: {msg.message}", step=step, **fields)
 

@@ -21,6 +21,7 @@ from typing import Any, Literal, Union
 from pydantic import Field, TypeAdapter
 
 from ckptstore.attached import AttachedFile
+from ckptstore.errors import CkptStoreError, wire_form
 from ckptstore.manifest import FileRecord, TensorRecord
 from ckptstore.models import StrictModel
 
@@ -118,11 +119,27 @@ class WriteDone(StrictModel):
 
 
 class WriteFailed(StrictModel):
+    """The request failed in the writer. A ckptstore error travels by its wire ``key``
+    (``ckptstore.errors.WIRE``) with its ``fields``, so the trainer rebuilds its own type (issue 20:
+    rebuilt by class name, ``RankFailure`` and ``CommitUnknown`` came back as a plain ``WriterError``);
+    any other error as ``error_type`` (its class name) and its message."""
+
     kind: Literal["error"] = "error"
     cut: str | None
     error_type: str
     message: str
+    key: str | None = None
     fields: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, cut: str | None, exc: BaseException) -> "WriteFailed":
+        if not isinstance(exc, CkptStoreError):
+            return cls(cut=cut, error_type=type(exc).__name__, message=str(getattr(exc, "message", exc)))
+        key, fields = wire_form(exc)
+        # JSON as the frame carries it: a field that is not (a tuple, a path object) goes as its text
+        # instead of failing the frame, which would leave the trainer waiting for an answer.
+        fields = json.loads(json.dumps(fields, default=str))
+        return cls(cut=cut, error_type=type(exc).__name__, message=exc.message, key=key, fields=fields)
 
 
 class Shutdown(StrictModel):

@@ -32,7 +32,6 @@ import threading
 import time
 from typing import Any
 
-from ckptstore.errors import CkptStoreError
 from ckptstore.gcpause import pausing
 from ckptstore.lock import InheritedLock
 from ckptstore.protocol import CommitProtocol
@@ -264,12 +263,7 @@ class Worker:
             done = self.write(req)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, typed, to the parent
             self.pending = None  # nothing to finish: the mark stays and gc removes what was written
-            fields = {}
-            if isinstance(exc, CkptStoreError):
-                fields = {"store": exc.store, "cut": exc.cut, "path": exc.path, "hint": exc.hint,
-                          "errno": getattr(exc, "errno", None)}
-            self.send(P.WriteFailed(cut=req.cut, error_type=type(exc).__name__, message=getattr(
-                exc, "message", str(exc)), fields=fields))
+            self.send(P.WriteFailed.of(req.cut, exc))  # as its own type, by its wire key (issue 20)
             return
         finally:
             self.writing = None

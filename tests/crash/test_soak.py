@@ -27,8 +27,9 @@ def test_short_soak(tmp_path):
 
 
 # "shard-written" fires where shards are written: in the writer process here (its deaths are covered
-# by the writer's fault tests and the soak), so the trainer-side sweep takes every other phase.
-@pytest.mark.parametrize("phase", [p for p in SAVE_PHASES if p != "shard-written"]
+# by the writer's fault tests and the soak), so the trainer-side sweep takes every other phase of a
+# cut of one rank ("rank-written" is a phase of cuts of several: tests/ranks and the crash table).
+@pytest.mark.parametrize("phase", [p for p in SAVE_PHASES if p not in ("shard-written", "rank-written")]
                          + ["prune-uncommitted", "prune-files-deleted"])
 def test_kill_trainer_at_each_phase_of_a_background_cut(tmp_path, phase):
     root = str(tmp_path / "store")

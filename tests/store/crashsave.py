@@ -6,7 +6,9 @@ saves ``--pre`` cuts normally (steps 1..N, states from :func:`state_for`), then,
 ``prune(KeepLast(1))``, and SIGKILLs itself:
 
 * ``--phase NAME --occurrence K``: in the protocol hook, at the K-th time phase NAME fires
-  (``ckptstore.protocol.SAVE_PHASES`` / ``PRUNE_PHASES``);
+  (``ckptstore.protocol.SAVE_PHASES`` / ``PRUNE_PHASES``); a phase that only cuts of several ranks
+  have ("rank-written") is crashed in a cut of two ranks, both written from this process (as DCP's
+  writer writes rank parts: ``save_as_ranks``);
 * ``--kill-at-bytes N``: from a helper thread, once the shard files of the new cut hold N bytes or more
   (a mid-write state; if the thread has not fired by the time every shard is synced, the
   ``shards-synced`` hook waits for it, so the kill always lands before the manifest);
@@ -112,6 +114,30 @@ class PhaseKiller:
         die()
 
 
+#: Phases that only a cut of several ranks passes through.
+RANKED_PHASES = ("rank-written",)
+
+
+def save_as_ranks(store: Any, state: Any, step: int, world_size: int = 2) -> Any:
+    """Saves ``state`` at ``step`` as a cut of ``world_size`` ranks from this one process: each rank
+    writes its own copy of the state as its part (shards, then its durable record, phase
+    "rank-written"), then rank 0 collects the records and commits. No torch.distributed: rank parts
+    are written through ``Store.rank_part_for``, as ``ckptstore.dcp`` writes them."""
+    from ckptstore.arrays import describe
+    from ckptstore.tree import flatten
+
+    tree, leaves = flatten(state)
+    pending = store.begin_cut(step, world_size=world_size)
+    for rank in range(world_size):
+        part = store.rank_part_for(pending.id, step, rank, world_size)
+        files, tensors = part.write([describe(leaf) for leaf in leaves], codec=store.shard_codec(),
+                                    max_shard_bytes=store.options.max_shard_bytes)
+        part.publish(files, tensors, tree=tree, pickled=False)
+    pending.collect_ranks()
+    pending.files_durable()
+    return pending.commit()
+
+
 def watch_bytes(cuts_dir: str, before: set[str], threshold: int) -> None:
     """Kills the process once the new cut's shard files hold ``threshold`` bytes. Polls file sizes: it
     is a sampler, so it may fire a little after the threshold (the bytes it saw are printed)."""
@@ -178,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prune:
         pruned = store.prune(KeepLast(1))
         say("DONE", *[c.id for c in pruned])
+    elif args.phase in RANKED_PHASES:
+        info = save_as_ranks(store, state, args.pre + 1)
+        say("DONE", info.id)
     else:
         info = store.save(state, step=args.pre + 1)
         say("DONE", info.id)

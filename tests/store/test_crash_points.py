@@ -54,6 +54,9 @@ SAVE_CASES = [
     SaveCase("shard-written", 2, False, "in-progress", 2, False, True),
     SaveCase("shard-written", SHARDS, False, "in-progress", SHARDS, False, True),
     SaveCase("shards-synced", 1, False, "in-progress", SHARDS, False, True),
+    # A cut of two ranks (crashsave.py writes both from one process): rank 0's record is durable,
+    # rank 1's is not, so nothing commits it (issue 20: the phase was missing from SAVE_PHASES).
+    SaveCase("rank-written", 1, False, "in-progress", SHARDS, False, True),
     SaveCase("manifest-written", 1, False, "in-progress", SHARDS, True, True),
     SaveCase("latest-written", 1, True, "stale-mark", SHARDS, True, True),
     SaveCase("mark-removed", 1, True, None, SHARDS, True, False),

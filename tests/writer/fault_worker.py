@@ -1,7 +1,9 @@
 """A writer process with one injected fault, for tests only: ``python fault_worker.py --fault KIND
 <the worker's own arguments>``. The fault fires once, halfway through the bytes of the first write
-request: "exit-mid-shard", "sigkill-mid-shard", "hang-mid-shard", "raise-mid-shard" (EACCES) or
-"pause-mid-shard" (3 s, then the write goes on: a slow disk; "pause-mid-shard:S" pauses S seconds).
+request: "exit-mid-shard", "sigkill-mid-shard", "hang-mid-shard", "raise-mid-shard" (EACCES),
+"raise-rank-failure-mid-shard" (a ckptstore error that is no StorageError and is defined outside
+ckptstore.errors, with fields of its own: ``RankFailure`` naming ranks 1 and 2) or "pause-mid-shard"
+(3 s, then the write goes on: a slow disk; "pause-mid-shard:S" pauses S seconds).
 
 The "orphan-..." faults hold the worker at one point of a hand-over until its trainer is dead (and one
 second more, so its parent-pid watchdog has acted): "orphan-before-read" before it reads the first
@@ -34,7 +36,8 @@ class _HeldAdapter:
             wait_orphaned(self.parent)
         return self.inner.validate_json(body, **kw)
 
-FAULTS = ("exit-mid-shard", "sigkill-mid-shard", "hang-mid-shard", "raise-mid-shard", "pause-mid-shard")
+FAULTS = ("exit-mid-shard", "sigkill-mid-shard", "hang-mid-shard", "raise-mid-shard", "raise-rank-failure-mid-shard",
+          "pause-mid-shard")
 HANDOVER = ("orphan-before-read", "orphan-before-parse", "orphan-before-handle")
 
 
@@ -56,6 +59,11 @@ def fire(kind: str) -> None:
             time.sleep(3600)
     if kind == "raise-mid-shard":
         raise PermissionError(13, "injected fault: permission denied")
+    if kind == "raise-rank-failure-mid-shard":
+        from ckptstore.ranks import RankFailure
+
+        raise RankFailure("injected fault: ranks 1 and 2 failed", ranks=[2, 1], exchange="save-written",
+                          hint="injected by tests/writer/fault_worker.py")
     if kind.startswith("pause-mid-shard"):
         time.sleep(float(kind.partition(":")[2] or 3))
         return
