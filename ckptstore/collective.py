@@ -14,6 +14,11 @@ each step is followed by one exchange, so every rank learns every outcome at the
   ``RankFailure`` naming rank 0 with that error. ``note`` (run on rank 0 after the failure) adds what
   the others must know about it: that the cut may be committed when the commit itself failed, say.
 
+* :meth:`Collective.gather` is both behind the training loop (a commit thread): ``local`` on every
+  rank, then ``coordinator`` on rank 0 once every rank's ``local`` succeeded, its result shared. It
+  goes by one-shot posts keyed by the cut, not by the call sequence, so it never interleaves with the
+  exchanges the loop makes meanwhile.
+
 Every wait is the rank group's: bounded by ``rank_timeout`` against ranks with no sign of life, and
 failing at once against ranks in another collective call (:mod:`ckptstore.ranks`).
 """
@@ -35,6 +40,7 @@ class Collective:
     def __init__(self, ranks: RankGroup | None, **where: Any) -> None:
         self.ranks = ranks
         self.where = dict(where)
+        self._outcomes: list[str] = []  # rank 0: gather outcomes every rank may still have to read
 
     @property
     def rank(self) -> int:
@@ -107,6 +113,79 @@ class Collective:
             note_ = f"; {got['note']}" if got.get("note") else ""
             raise RankFailure(f"rank 0 failed {doing or what}: {got['error']}{note_}", ranks=[0], **self.where)
         return result if self.coordinator else receive(got["value"])  # type: ignore[return-value]
+
+
+    def gather(self, key: str, local: Callable[[], Any], coordinator: Callable[[], T], *,
+               share: Callable[[T], Any] = lambda r: r, receive: Callable[[Any], T] = lambda v: v,
+               doing: str, note: Callable[[], str | None] = lambda: None) -> T:
+        """``local`` on every rank, then ``coordinator`` on rank 0 if every ``local`` succeeded; returns
+        its result on every rank or raises on every rank (see the module docstring). ``key`` names the
+        posts (a cut id); ``note`` as in :meth:`coordinate`."""
+        err: BaseException | None = None
+        try:
+            local()
+        except BaseException as exc:  # noqa: BLE001 - rank 0 hears of it in the posts
+            err = exc
+        if self.ranks is None:
+            if err is not None:
+                raise err
+            return coordinator()
+        try:
+            self.ranks.post(f"written/{key}", outcome(err))
+        except Exception:  # noqa: BLE001 - rank 0 then finds this rank silent
+            pass
+        if self.coordinator:
+            return self._coordinate_posts(key, err, coordinator, share, doing, note)
+        return self._await_outcome(key, err, receive, doing)
+
+    def _coordinate_posts(self, key: str, err: BaseException | None, coordinator: Callable[[], T],
+                          share: Callable[[T], Any], doing: str, note: Callable[[], str | None]) -> T:
+        assert self.ranks is not None
+        where = {**self.where, "cut": key}
+        result: T | None = None
+        failure: BaseException | None = None
+        try:
+            posts = self.ranks.await_posts(f"written/{key}", range(self.size), f"every rank's part of {doing}", **where)
+            if err is not None:
+                raise err
+            check_all_ok([posts[r] for r in range(self.size)], doing, **where)
+            result = coordinator()
+        except BaseException as exc:  # noqa: BLE001 - posted for the others, then raised here
+            failure = exc
+        self.ranks.forget_posts(f"written/{key}", range(self.size))
+        answer = {**outcome(failure), "note": note() if failure is not None else None,
+                  "value": share(result) if failure is None else None}  # type: ignore[arg-type]
+        try:
+            self.ranks.post(f"outcome/{key}", answer)
+            self._outcomes.append(f"outcome/{key}")
+        except Exception:  # noqa: BLE001 - the others then find rank 0 silent
+            pass
+        if failure is not None:
+            raise failure
+        return result  # type: ignore[return-value]
+
+    def _await_outcome(self, key: str, err: BaseException | None, receive: Callable[[Any], T], doing: str) -> T:
+        assert self.ranks is not None
+        where = {**self.where, "cut": key}
+        try:
+            got = self.ranks.await_posts(f"outcome/{key}", [0], f"rank 0's side of {doing}", **where)[0]
+        except BaseException:
+            if err is not None:
+                raise err from None
+            raise
+        if err is not None:
+            raise err
+        if not got["ok"]:
+            note_ = f" ({got['note']})" if got.get("note") else ""
+            raise RankFailure(f"{doing} failed on rank 0{note_}: {got['error']}", ranks=[0], **where)
+        return receive(got["value"])
+
+    def forget_outcomes(self) -> None:
+        """Rank 0, once every rank is past every gather so far (all idle): their outcome posts go."""
+        if self.ranks is not None and self.coordinator:
+            for key in self._outcomes:
+                self.ranks.forget_posts(key, [0])
+        self._outcomes.clear()
 
 
 __all__ = ["Collective"]

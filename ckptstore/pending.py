@@ -216,6 +216,14 @@ class PendingCut:
             pass
         return CutInfo.from_manifest(manifest)
 
+    @staticmethod
+    def left_as(pending: "PendingCut | None") -> str:
+        """What a failed commit left, for the ranks that hear of it: LATEST may name the cut (state
+        "unknown"), or it was left where it was."""
+        if pending is not None and pending.state == UNKNOWN:
+            return "LATEST may name it: the next writer open decides"
+        return "LATEST was left where it was"
+
     def abandon(self) -> None:
         """Removes the cut's files and mark (best effort: what stays is still marked, so ``gc`` finds
         it). A no-op once the cut has ended."""
@@ -245,8 +253,6 @@ class RankPart:
         self.rank = rank
         self.world_size = world_size
         self.published = False
-        #: Files and arrays written for this part and not yet published (a writer process's result).
-        self.written: tuple[list[FileRecord], list[TensorRecord]] | None = None
 
     def __repr__(self) -> str:
         return f"RankPart({self.id!r}, rank {self.rank} of {self.world_size})"

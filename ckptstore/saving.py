@@ -20,7 +20,7 @@ from .attached import AttachedFile, FilesArg, close_sources, open_sources
 from .collective import Collective
 from .errors import StorageError, UsageError
 from .info import CutInfo
-from .pending import UNKNOWN, PendingCut, RankPart
+from .pending import PendingCut, RankPart
 from .tree import flatten, has_pickle
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def _save(store: "Store", c: Collective, state: Any, *, step: int, tags: Sequenc
         c.all("save-written", write, doing=f"writing cut {cut}")
         marks.append(time.perf_counter())
         info = c.coordinate("save-commit", commit, share=lambda i: {**i.to_json(), "metadata": i.metadata},
-                            receive=CutInfo.from_json, doing=f"to commit cut {cut}", note=lambda: _commit_note(pending),
+                            receive=CutInfo.from_json, doing=f"to commit cut {cut}", note=lambda: PendingCut.left_as(pending),
                             lost=f"cut {cut} may or may not be committed: the next writer open decides")
     except BaseException:
         if pending is not None:
@@ -95,12 +95,6 @@ def _save(store: "Store", c: Collective, state: Any, *, step: int, tags: Sequenc
         raise
     marks.append(time.perf_counter())
     return info
-
-
-def _commit_note(pending: PendingCut | None) -> str:
-    if pending is not None and pending.state == UNKNOWN:
-        return "LATEST may name it: the next writer open decides"
-    return "LATEST was left where it was"
 
 
 def prepare_state(state: Any, files: FilesArg | None, allow_pickle: bool, url: str

@@ -28,7 +28,8 @@ from ckptstore import layout
 from ckptstore.attached import FilesArg
 from ckptstore.errors import StepConflict, UsageError
 from ckptstore.events import Emitter, JsonLinesFile
-from ckptstore.manifest import FileRecord
+from ckptstore.collective import Collective
+from ckptstore.manifest import FileRecord, TensorRecord
 from ckptstore.options import StoreOptions
 from ckptstore.pending import PendingCut, RankPart
 from ckptstore.info import CutInfo
@@ -105,6 +106,8 @@ class Checkpointer:
             raise UsageError("a Checkpointer needs a store opened for writing", store=self.store.url)
         #: The ranks this checkpointer cuts with (None: one process).
         self.ranked: RankedCuts | None = RankedCuts(self, self.store.ranks) if self.store.ranks is not None else None
+        #: How each cut's steps run over the ranks (world size 1: plain calls): one pipeline for both.
+        self.collective = self.ranked.collective if self.ranked is not None else Collective(None, store=self.store.url)
         try:
             spec = self._writer_spec(options)
         except BaseException as exc:
@@ -420,56 +423,79 @@ class Checkpointer:
             self._process(*job)
 
     def _process(self, handle: CutHandle, captured: Captured, extra: dict[str, Any]) -> None:
-        """Begin, write (writer process, else this thread), commit, prune. Never raises: the outcome
-        lands in the handle, and unreported failures surface at the next call or at close."""
-        if self.ranked is not None:
-            self.ranked.process(handle, captured, extra)
-            return
+        """One cut behind the loop, for one rank and many (issue 20): mark (rank 0), write this rank's
+        part (writer process, else this thread) and publish it, commit (rank 0, once every rank's part
+        is durable), prune (rank 0). Never raises: the outcome lands in the handle, and unreported
+        failures surface at the next call (agreed by every rank at its next collective call) or at
+        close."""
+        c = self.collective
         t0 = time.perf_counter()
         pending: PendingCut | None = None
-        try:
-            pending = self.store.begin_cut(handle.step, writer=f"checkpointer:{self.options.mode}", cut=handle.id)
+        t_commit = t0
+
+        def part() -> None:
+            nonlocal pending
+            if c.coordinator:
+                pending = self.store.begin_cut(handle.step, writer=f"checkpointer:{self.options.mode}", cut=handle.id,
+                                               world_size=c.size)
             captured.ready()
-            files, timings = self._write(handle, captured, pending)
-            pending.files_durable()
+            target: PendingCut | RankPart = pending if c.size == 1 else self.store.rank_part(handle.id, handle.step)  # type: ignore[assignment]
+            files, tensors, timings = self._write(handle, captured, target)
+            target.publish(files, tensors, tree=captured.tree, pickled=captured.pickled, mode=self.options.mode,
+                           attached=captured.attached)
             handle.timings.update(timings)
             self.events.emit("written", step=handle.step, cut=handle.id, bytes=sum(f.nbytes for f in files),
                              timings={k: round(v, 6) for k, v in timings.items()}, writer_mode=self.options.mode,
                              fallback=handle.fallback)
             handle.to_committing()
+
+        def commit() -> CutInfo:
+            nonlocal t_commit
+            assert pending is not None
             t_commit = time.perf_counter()
-            info = pending.commit(tree=captured.tree, pickled=captured.pickled, tags=extra["tags"],
-                                  final=extra["final"], metadata=extra["metadata"], mode=self.options.mode,
-                                  attached=captured.attached)
-            self._end_cut(handle)
-            handle.to_committed(info)
-            self.events.emit("committed", step=handle.step, cut=handle.id, bytes=info.nbytes,
-                             timings={"commit": elapsed(t_commit), "total": elapsed(t0)},
-                             writer_mode=self.options.mode, fallback=handle.fallback, final=extra["final"])
-        except BaseException as exc:  # noqa: BLE001 - recorded in the handle, raised later
-            if pending is not None:
-                # Before the commit point its files go now; once LATEST may name it, the pending cut has
-                # already ended (committed, or left to recovery) and this does nothing.
-                try:
-                    pending.abandon()
-                except BaseException:  # noqa: BLE001 - the cut stays marked; gc removes it
-                    pass
-            self._end_cut(handle)
-            if not handle.done:
-                handle.to_failed(exc)
-            self.events.emit("failed", step=handle.step, cut=handle.id, error=str(exc), error_type=type(exc).__name__,
-                             writer_mode=self.options.mode, fallback=handle.fallback)
-            return
-        if self.options.keep is not None:
+            pending.collect_ranks()
+            pending.files_durable()
+            return pending.commit(tags=extra["tags"], final=extra["final"], metadata=extra["metadata"],
+                                  mode=self.options.mode)
+
+        with c.busy():
+            try:
+                info = c.gather(handle.id, part, commit, share=lambda i: {**i.to_json(), "metadata": i.metadata},
+                                receive=CutInfo.from_json, doing=f"cut {handle.id}",
+                                note=lambda: PendingCut.left_as(pending))
+            except BaseException as exc:  # noqa: BLE001 - recorded in the handle, raised later
+                self._fail(handle, pending, exc)
+                return
+        self._end_cut(handle)
+        handle.to_committed(info)
+        ranked = {"world_size": c.size} if c.size > 1 else {}
+        self.events.emit("committed", step=handle.step, cut=handle.id, bytes=info.nbytes,
+                         timings={"commit": elapsed(t_commit) if c.coordinator else None, "total": elapsed(t0)},
+                         writer_mode=self.options.mode, fallback=handle.fallback, final=extra["final"], **ranked)
+        if c.coordinator and self.options.keep is not None:
             try:
                 self.store.prune(self.options.keep)
             except BaseException as exc:  # noqa: BLE001 - a failed prune never fails a committed cut
                 self.events.emit("warning", step=handle.step, message=f"prune failed: {exc}")
 
+    def _fail(self, handle: CutHandle, pending: PendingCut | None, exc: BaseException) -> None:
+        if pending is not None:
+            # Before the commit point its files go now; once LATEST may name it, the pending cut has
+            # already ended (committed, or left to recovery) and this does nothing.
+            try:
+                pending.abandon()
+            except BaseException:  # noqa: BLE001 - the cut stays marked; gc removes it
+                pass
+        self._end_cut(handle)
+        if not handle.done:
+            handle.to_failed(exc)
+        self.events.emit("failed", step=handle.step, cut=handle.id, error=str(exc), error_type=type(exc).__name__,
+                         writer_mode=self.options.mode, fallback=handle.fallback)
+
     def _write(self, handle: CutHandle, captured: Captured, pending: PendingCut | RankPart
-               ) -> tuple[list[FileRecord], dict[str, float]]:
-        """The cut's shards (this rank's), written by the writer process (else here), recorded in
-        ``pending`` (a rank part records them when it publishes)."""
+               ) -> tuple[list[FileRecord], list[TensorRecord], dict[str, float]]:
+        """This rank's shards of the cut, written by the writer process (else here) into ``pending``
+        (the cut, or this rank's part of it), which the caller publishes them to."""
         if self.options.mode == "process":
             try:
                 if self._writer is not None and not self._writer.alive:
@@ -488,11 +514,7 @@ class Checkpointer:
                     done = self._writer.wait_done(submitted)  # type: ignore[arg-type]
                 else:
                     done = self._writer.write(self._request(handle, captured), self._block.fd)
-                if isinstance(pending, RankPart):
-                    pending.written = (done.files, done.tensors)
-                else:
-                    pending.add_files(done.files, done.tensors)
-                return done.files, dict(done.timings)
+                return done.files, done.tensors, dict(done.timings)
             except (WriterDied, WriterTimeout) as exc:
                 handle.fallback = str(exc)
                 self.events.emit("fallback", step=handle.step, cut=handle.id, reason=str(exc),
@@ -541,7 +563,7 @@ class Checkpointer:
                               after_mark=finish is not None, block_complete=captured.complete)
 
     def _write_here(self, captured: Captured, pending: PendingCut | RankPart
-                    ) -> tuple[list[FileRecord], dict[str, float]]:
+                    ) -> tuple[list[FileRecord], list[TensorRecord], dict[str, float]]:
         """The same shards the writer process would write, from the same block, in this process."""
         assert self._block is not None
         t0 = time.perf_counter()
@@ -550,10 +572,8 @@ class Checkpointer:
         timings: dict[str, float] = {}
         files, tensors = pending.write(items, codec=self.store.shard_codec(),
                                        max_shard_bytes=self.store.options.max_shard_bytes, timings=timings)
-        if isinstance(pending, RankPart):
-            pending.written = (files, tensors)
         timings["total"] = time.perf_counter() - t0
-        return files, timings
+        return files, tensors, timings
 
     def _close_writer(self) -> None:
         if self._writer is not None:

@@ -10,12 +10,13 @@ In the training loop (collective calls, every rank at the same steps):
 2. each rank captures its state into its own shared block;
 3. ``captured`` exchange: a rank whose capture failed makes every rank drop the cut.
 
-Behind the loop, each rank's commit thread: (rank 0 first marks the cut) the writer process writes
-the rank's shards, the rank publishes its durable record (``cuts/<cut>/rank<r>.json``) and posts
-"written". Rank 0's thread waits for every rank's post (a rank that shows no sign of life for
-``rank_timeout`` fails the cut), reads every record from the store, commits one manifest and posts
-the outcome, which the other ranks' threads wait for. So LATEST moves once, only when every rank's
-files are durable, and every rank's handle ends with the same outcome.
+Behind the loop, each rank's commit thread runs the Checkpointer's one pipeline
+(``Checkpointer._process``) over this side's :class:`~ckptstore.collective.Collective`: (rank 0 first
+marks the cut) the writer process writes the rank's shards, the rank publishes its durable record
+(``cuts/<cut>/rank<r>.json``) and posts "written"; rank 0 waits for every rank's post (a rank that shows
+no sign of life for ``rank_timeout`` fails the cut), reads every record, commits one manifest and posts
+the outcome, which the other ranks wait for (``Collective.gather``). So LATEST moves once, only when
+every rank's files are durable, and every rank's handle ends with the same outcome.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ckptstore import layout
 from ckptstore.attached import FilesArg
+from ckptstore.collective import Collective
 from ckptstore.errors import StepConflict, UsageError
 from ckptstore.info import CutInfo
-from ckptstore.pending import PendingCut
 from ckptstore.ranks import RankFailure, RankGroup, check_all_ok, check_same, outcome
 
 from .capture import Captured, capture
@@ -43,7 +44,8 @@ class RankedCuts:
     def __init__(self, ck: "Checkpointer", ranks: RankGroup) -> None:
         self.ck = ck
         self.ranks = ranks
-        self._outcome_keys: list[str] = []  # rank 0: outcome posts every rank has read once all are idle
+        #: The cut's steps behind the loop (the Checkpointer's pipeline runs on it).
+        self.collective = Collective(ranks, store=ck.store.url)
 
     @property
     def where(self) -> dict[str, Any]:
@@ -130,11 +132,8 @@ class RankedCuts:
                 current._done.wait()
             ck.events.emit("waited", step=step, seconds=elapsed(t_wait), waited_total=ck.waited)
             self._agree_failures(self.ranks.exchange("cut-waited", {"failed": self._unreported()}, **self.where))
-        if self.ranks.rank == 0:
-            # Every rank's previous cut has ended, so every rank has read these outcome posts.
-            for key in self._outcome_keys:
-                self.ranks.forget_posts(key, [0])
-            self._outcome_keys.clear()
+        # Every rank's previous cut has ended, so every rank has read its outcome posts.
+        self.collective.forget_outcomes()
         handle = CutHandle(step, msgs[0]["cut"], final)
         err: BaseException | None = None
         captured: Captured | None = None
@@ -164,117 +163,5 @@ class RankedCuts:
             handle._done.wait()
             self._agree_failures(self.ranks.exchange("cut-final", {"failed": self._unreported()}, **self.where))
         return handle.wait()
-
-    # ----------------------------------------------------------------------------- commit thread
-    def process(self, handle: CutHandle, captured: Captured, extra: dict[str, Any]) -> None:
-        """This rank's part of one cut, and on rank 0 the commit. Never raises: the outcome lands in
-        the handle and is agreed at the next collective call."""
-        ck, ranks = self.ck, self.ranks
-        t0 = time.perf_counter()
-        where = {**self.where, "cut": handle.id}
-        with ranks.busy():
-            pending, err = self._write_part(handle, captured)
-            try:
-                ranks.post(f"written/{handle.id}", outcome(err))
-            except Exception:  # noqa: BLE001 - rank 0 then finds this rank silent
-                pass
-            if err is None:
-                handle.to_committing()
-            t_commit = time.perf_counter()
-            if ranks.rank == 0:
-                info, failure = self._commit(handle, pending, err, extra, where)
-            else:
-                info, failure = self._await_commit(handle, err, where)
-        ck._end_cut(handle)
-        if failure is not None:
-            if not handle.done:
-                handle.to_failed(failure)
-            ck.events.emit("failed", step=handle.step, cut=handle.id, error=str(failure),
-                           error_type=type(failure).__name__, writer_mode=ck.options.mode, fallback=handle.fallback)
-            return
-        assert info is not None
-        handle.to_committed(info)
-        ck.events.emit("committed", step=handle.step, cut=handle.id, bytes=info.nbytes, world_size=ranks.size,
-                       timings={"commit": elapsed(t_commit) if ranks.rank == 0 else None, "total": elapsed(t0)},
-                       writer_mode=ck.options.mode, fallback=handle.fallback, final=extra["final"])
-        if ranks.rank == 0 and ck.options.keep is not None:
-            try:
-                ck.store.prune(ck.options.keep)
-            except BaseException as exc:  # noqa: BLE001 - a failed prune never fails a committed cut
-                ck.events.emit("warning", step=handle.step, message=f"prune failed: {exc}")
-
-    def _write_part(self, handle: CutHandle, captured: Captured) -> tuple[PendingCut | None, BaseException | None]:
-        """Rank 0 marks the cut; every rank has its part written (writer process, else here) and
-        publishes its record. Returns rank 0's pending cut and this rank's error, if any."""
-        ck, ranks = self.ck, self.ranks
-        pending: PendingCut | None = None
-        try:
-            if ranks.rank == 0:
-                pending = ck.store.begin_cut(handle.step, writer=f"checkpointer:{ck.options.mode}", cut=handle.id,
-                                             world_size=ranks.size)
-            captured.ready()
-            part = ck.store.rank_part(handle.id, handle.step)
-            files, timings = ck._write(handle, captured, part)
-            assert part.written is not None
-            part.publish(*part.written, tree=captured.tree, pickled=captured.pickled, mode=ck.options.mode,
-                         attached=captured.attached)
-            handle.timings.update(timings)
-            ck.events.emit("written", step=handle.step, cut=handle.id, bytes=sum(f.nbytes for f in files),
-                           timings={k: round(v, 6) for k, v in timings.items()}, writer_mode=ck.options.mode,
-                           fallback=handle.fallback)
-        except BaseException as exc:  # noqa: BLE001 - posted to rank 0 by the caller
-            return pending, exc
-        return pending, None
-
-    def _commit(self, handle: CutHandle, pending: PendingCut | None, err: BaseException | None,
-                extra: dict[str, Any], where: dict[str, Any]) -> tuple[CutInfo | None, BaseException | None]:
-        """Rank 0: once every rank posted, commit (or abandon) and post the outcome for the others."""
-        ck, ranks = self.ck, self.ranks
-        info: CutInfo | None = None
-        failure: BaseException | None = None
-        try:
-            posts = ranks.await_posts(f"written/{handle.id}", range(ranks.size),
-                                      f"every rank's part of cut {handle.id}", **where)
-            if err is not None:
-                raise err
-            check_all_ok([posts[r] for r in range(ranks.size)], f"writing cut {handle.id}", **where)
-            assert pending is not None
-            pending.collect_ranks()
-            pending.files_durable()
-            info = pending.commit(tags=extra["tags"], final=extra["final"], metadata=extra["metadata"],
-                                  mode=ck.options.mode)
-        except BaseException as exc:  # noqa: BLE001
-            failure = exc
-            if pending is not None:
-                try:
-                    pending.abandon()  # a no-op once committed or left to recovery
-                except BaseException:  # noqa: BLE001 - the cut stays marked; gc removes it
-                    pass
-        ranks.forget_posts(f"written/{handle.id}", range(ranks.size))
-        result = {**outcome(failure), "unknown": pending is not None and pending.state == "unknown",
-                  "info": {**info.to_json(), "metadata": info.metadata} if info is not None else None}
-        try:
-            ranks.post(f"outcome/{handle.id}", result)
-            self._outcome_keys.append(f"outcome/{handle.id}")
-        except Exception:  # noqa: BLE001 - the others then find rank 0 silent
-            pass
-        return info, failure
-
-    def _await_commit(self, handle: CutHandle, err: BaseException | None, where: dict[str, Any]
-                      ) -> tuple[CutInfo | None, BaseException | None]:
-        """Ranks other than 0: rank 0's outcome of the cut (this rank's own error first)."""
-        try:
-            result = self.ranks.await_posts(f"outcome/{handle.id}", [0], f"rank 0's commit of cut {handle.id}",
-                                            **where)[0]
-        except BaseException as exc:  # noqa: BLE001
-            return None, err if err is not None else exc
-        if err is not None:
-            return None, err
-        if result["ok"]:
-            return CutInfo.from_json(result["info"]), None
-        note = "LATEST may name it: the next writer open decides" if result.get("unknown") else \
-            "LATEST was left where it was"
-        return None, RankFailure(f"cut {handle.id} was not committed ({note}): {result['error']}", ranks=[0], **where)
-
 
 __all__ = ["RankedCuts"]
