@@ -310,7 +310,6 @@ class StoreWriter(StorageWriter):
         self.info: Any = None
         self._store: Store | None = None
         self._pending: PendingCut | None = None
-        self._tree: dict[str, Any] | None = None
         self._finalizer: Any = None
 
     # lifecycle ----------------------------------------------------------------------------------
@@ -327,7 +326,7 @@ class StoreWriter(StorageWriter):
         if self._finalizer is not None:
             self._finalizer()  # runs _close_quietly once
             self._finalizer = None
-        self._store, self._pending, self._tree = None, None, None
+        self._store, self._pending = None, None
 
     def __enter__(self) -> "StoreWriter":
         return self
@@ -413,15 +412,13 @@ class StoreWriter(StorageWriter):
             store, own = Store.open(self.url, readonly=True, options=self.options), True
         try:
             codec, max_bytes = store.shard_codec(), store.options.max_shard_bytes
-            if where.world_size == 1:
-                if self._pending is None or self._pending.id != where.cut:
-                    raise UsageError("a cut of one rank is written by its coordinator", store=self.url, cut=where.cut)
-                self._pending.write(items, codec=codec, max_shard_bytes=max_bytes)
-                self._tree = tree
-            else:
-                part = store.rank_part_for(where.cut, where.step, where.rank, where.world_size)
-                files, arrays = part.write(items, codec=codec, max_shard_bytes=max_bytes)
-                part.publish(files, arrays, tree=tree, pickled=False, mode="dcp")
+            if where.world_size == 1 and (self._pending is None or self._pending.id != where.cut):
+                raise UsageError("a cut of one rank is written by its coordinator", store=self.url, cut=where.cut)
+            # One rank's part is kept by the cut itself, several ranks' in their records: one write path.
+            part = self._pending if where.world_size == 1 else store.rank_part_for(
+                where.cut, where.step, where.rank, where.world_size)
+            files, arrays = part.write(items, codec=codec, max_shard_bytes=max_bytes)  # type: ignore[union-attr]
+            part.publish(files, arrays, tree=tree, pickled=False, mode="dcp")  # type: ignore[union-attr]
         finally:
             if own:
                 store.close()
@@ -438,14 +435,9 @@ class StoreWriter(StorageWriter):
             metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
             metadata.storage_meta = self.storage_meta()
             doc = metadata_to_json(metadata)
-            if pending.world_size > 1:
-                pending.collect_ranks()
-                pending.files_durable()
-                info = pending.commit(tags=self.tags, final=self.final, metadata={METADATA_KEY: doc}, mode="dcp")
-            else:
-                pending.files_durable()
-                info = pending.commit(tree=self._tree, tags=self.tags, final=self.final,
-                                      metadata={METADATA_KEY: doc}, mode="dcp")
+            pending.collect_ranks()
+            pending.files_durable()
+            info = pending.commit(tags=self.tags, final=self.final, metadata={METADATA_KEY: doc}, mode="dcp")
         except BaseException:
             self.close()  # abandons (a no-op when the commit's outcome was left to recovery)
             raise

@@ -57,8 +57,8 @@ def finish_orphaned_cut(storage: Storage, guard: Callable[[], None], *, cut: str
         pending.abandon()
         return "abandoned"
     ensure_marked(storage, guard, cut=cut, step=step, mode=mode)  # the trainer died before marking it
-    if world_size == 1:
-        pending.add_files(files, tensors)
+    if world_size == 1:  # the part is kept by the cut itself (several ranks: in their records)
+        pending.publish(files, tensors, tree=tree, pickled=pickled, mode=writer, attached=attached or [])
     else:
         have, since = -1, time.monotonic()
         while True:
@@ -72,7 +72,7 @@ def finish_orphaned_cut(storage: Storage, guard: Callable[[], None], *, cut: str
                 pending.abandon()
                 return "abandoned"
             time.sleep(0.2)
-        pending.collect_ranks()
+    pending.collect_ranks()
     sizes = {e.name: e.size for e in storage.list_dir(layout.cut_dir(cut)) if not e.is_dir}
     gone = [f.name for f in pending.files() if sizes.get(f.name) != f.nbytes]
     if gone:  # the trainer was abandoning the cut when it died
@@ -81,8 +81,7 @@ def finish_orphaned_cut(storage: Storage, guard: Callable[[], None], *, cut: str
         return "abandoned"
     pending.files_durable()
     try:
-        pending.commit(tree=tree if world_size == 1 else None, pickled=pickled, tags=tags, final=final,
-                       metadata=metadata, mode=writer, attached=(attached or []) if world_size == 1 else ())
+        pending.commit(tags=tags, final=final, metadata=metadata, mode=writer)
     except StorageError:
         if pending.state == "unknown":
             return "unknown"
