@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from .arrays import ArrayItem, describe
 from .attached import AttachedFile, FilesArg, close_sources, open_sources
@@ -21,13 +21,31 @@ from .collective import Collective
 from .errors import StorageError, UsageError
 from .info import CutInfo
 from .pending import PendingCut, RankPart
+from .events import Emitter
+from .options import StoreOptions
+from .ranks import RankGroup
+from .shards import Codec
 from .tree import flatten, has_pickle
 
-if TYPE_CHECKING:
-    from .store import Store
+
+class Saver(Protocol):
+    """What a save needs of its store (``Store`` provides it; this module never imports store.py, so
+    the two form no import cycle, not even one for annotations)."""
+
+    url: str
+    ranks: RankGroup | None
+    options: StoreOptions
+    events: Emitter
+
+    def begin_cut(self, step: int, *, writer: str = ..., cut: str | None = ..., world_size: int = ...
+                  ) -> PendingCut: ...
+
+    def rank_part(self, cut: str, step: int) -> RankPart: ...
+
+    def shard_codec(self) -> Codec: ...
 
 
-def save(store: "Store", state: Any, *, step: int, tags: Sequence[str], final: bool,
+def save(store: Saver, state: Any, *, step: int, tags: Sequence[str], final: bool,
          metadata: dict[str, Any] | None, allow_pickle: bool, files: FilesArg | None) -> CutInfo:
     """See :meth:`ckptstore.Store.save`."""
     c = Collective(store.ranks, store=store.url)
@@ -53,7 +71,7 @@ def save(store: "Store", state: Any, *, step: int, tags: Sequence[str], final: b
     return info
 
 
-def _save(store: "Store", c: Collective, state: Any, *, step: int, tags: Sequence[str], final: bool,
+def _save(store: Saver, c: Collective, state: Any, *, step: int, tags: Sequence[str], final: bool,
           metadata: dict[str, Any] | None, allow_pickle: bool, files: FilesArg | None,
           marks: list[float]) -> CutInfo:
     def prepare() -> tuple[dict[str, Any], list[ArrayItem], bool, list[AttachedFile]]:
