@@ -435,9 +435,7 @@ class StoreWriter(StorageWriter):
             metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
             metadata.storage_meta = self.storage_meta()
             doc = metadata_to_json(metadata)
-            pending.collect_ranks()
-            pending.files_durable()
-            info = pending.commit(tags=self.tags, final=self.final, metadata={METADATA_KEY: doc}, mode="dcp")
+            info = pending.finish(tags=self.tags, final=self.final, metadata={METADATA_KEY: doc}, mode="dcp")
         except BaseException:
             self.close()  # abandons (a no-op when the commit's outcome was left to recovery)
             raise

@@ -216,6 +216,14 @@ class PendingCut:
             pass
         return CutInfo.from_manifest(manifest)
 
+    def finish(self, *, tags: Sequence[str] = (), final: bool = False, metadata: dict[str, Any] | None = None,
+               mode: str = "sync") -> CutInfo:
+        """The coordinator's side of every driver: collect the parts (rank records; one rank's was
+        published here), make their names durable, commit. One copy of the sequence (issue 20)."""
+        self.collect_ranks()
+        self.files_durable()
+        return self.commit(tags=tags, final=final, metadata=metadata, mode=mode)
+
     @staticmethod
     def left_as(pending: "PendingCut | None") -> str:
         """What a failed commit left, for the ranks that hear of it: LATEST may name the cut (state

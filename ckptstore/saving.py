@@ -95,9 +95,7 @@ def _save(store: Saver, c: Collective, state: Any, *, step: int, tags: Sequence[
 
     def commit() -> CutInfo:
         assert pending is not None
-        pending.collect_ranks()
-        pending.files_durable()
-        return pending.commit(tags=tags, final=final, metadata=metadata, mode="sync")
+        return pending.finish(tags=tags, final=final, metadata=metadata, mode="sync")
 
     try:
         cut = c.coordinate("save-begin", begin, doing=f"to begin the cut of step {step}")

@@ -453,9 +453,7 @@ class Checkpointer:
             nonlocal t_commit
             assert pending is not None
             t_commit = time.perf_counter()
-            pending.collect_ranks()
-            pending.files_durable()
-            return pending.commit(tags=extra["tags"], final=extra["final"], metadata=extra["metadata"],
+            return pending.finish(tags=extra["tags"], final=extra["final"], metadata=extra["metadata"],
                                   mode=self.options.mode)
 
         with c.busy():

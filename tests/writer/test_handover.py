@@ -16,7 +16,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
 import ckptstore
 from ckptstore.writer import Checkpointer
