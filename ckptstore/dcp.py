@@ -54,6 +54,7 @@ from torch.futures import Future
 from . import layout
 from .arrays import ArrayItem, describe, empty_for
 from .errors import CorruptCut, DataError, UsageError
+from .intent import CutIntent
 from .manifest import Manifest, TensorRecord
 from .options import StoreOptions
 from .pending import PendingCut
@@ -411,14 +412,13 @@ class StoreWriter(StorageWriter):
         else:
             store, own = Store.open(self.url, readonly=True, options=self.options), True
         try:
-            codec, max_bytes = store.shard_codec(), store.options.max_shard_bytes
             if where.world_size == 1 and (self._pending is None or self._pending.id != where.cut):
                 raise UsageError("a cut of one rank is written by its coordinator", store=self.url, cut=where.cut)
             # One rank's part is kept by the cut itself, several ranks' in their records: one write path.
             part = self._pending if where.world_size == 1 else store.rank_part_for(
                 where.cut, where.step, where.rank, where.world_size)
-            files, arrays = part.write(items, codec=codec, max_shard_bytes=max_bytes)  # type: ignore[union-attr]
-            part.publish(files, arrays, tree=tree, pickled=False, mode="dcp")  # type: ignore[union-attr]
+            files, arrays = part.write(items)  # type: ignore[union-attr]
+            part.publish(files, arrays, CutIntent(tree=tree, mode="dcp", world_size=where.world_size))  # type: ignore[union-attr]
         finally:
             if own:
                 store.close()
@@ -435,7 +435,8 @@ class StoreWriter(StorageWriter):
             metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
             metadata.storage_meta = self.storage_meta()
             doc = metadata_to_json(metadata)
-            info = pending.finish(tags=self.tags, final=self.final, metadata={METADATA_KEY: doc}, mode="dcp")
+            info = pending.finish(CutIntent(tags=list(self.tags), final=self.final, metadata={METADATA_KEY: doc},
+                                            mode="dcp", world_size=pending.world_size))
         except BaseException:
             self.close()  # abandons (a no-op when the commit's outcome was left to recovery)
             raise

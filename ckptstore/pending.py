@@ -28,6 +28,7 @@ from .errors import CkptStoreError, CorruptCut, ManifestError, StorageError, Sto
 from .gcpause import pausing
 from .ident import host_identity
 from .info import CutInfo
+from .intent import CutIntent, ShardSpec
 from .manifest import RANKS_FORMAT_VERSION, FileRecord, Manifest, RankRecord, TensorRecord, WriterIdentity
 from .protocol import CommitProtocol, CommitUnknown, now_iso
 from .shards import Codec
@@ -49,13 +50,15 @@ class PendingCut:
     """A marked cut of this writer's. Made by ``Store.begin_cut``; not thread-safe (one driver)."""
 
     def __init__(self, protocol: CommitProtocol, storage: "Storage", cut: str, step: int, writer: str,
-                 on_end: Callable[["PendingCut"], None], world_size: int = 1) -> None:
+                 on_end: Callable[["PendingCut"], None], world_size: int = 1, shards: ShardSpec | None = None) -> None:
         self._protocol = protocol
         self._storage = storage
         self.id = cut
         self.step = step
         self.writer = writer
         self.world_size = world_size
+        #: How this cut's shards are written (the store's settings, carried by the cut; issue 20).
+        self.shards = shards if shards is not None else ShardSpec()
         self.state = OPEN
         self._files: dict[int, tuple[list[FileRecord], list[TensorRecord]]] = {}
         self._trees: dict[int, tuple[dict[str, Any], bool]] = {}
@@ -74,13 +77,16 @@ class PendingCut:
             self._on_end(self)
 
     # files -------------------------------------------------------------------------------------------
-    def write(self, items: Sequence[ArrayItem], *, codec: Codec, max_shard_bytes: int, rank: int = 0,
-              on_bytes: Callable[[int], None] | None = None, timings: dict[str, float] | None = None,
+    def write(self, items: Sequence[ArrayItem], *, codec: Codec | None = None, max_shard_bytes: int | None = None,
+              rank: int = 0, on_bytes: Callable[[int], None] | None = None, timings: dict[str, float] | None = None,
               hash_threads: int = hashing.AUTO) -> tuple[list[FileRecord], list[TensorRecord]]:
-        """Writes ``items`` as this cut's shards of ``rank`` (durable on return) and records them."""
+        """Writes ``items`` as this cut's shards of ``rank`` (durable on return) and records them, with
+        the cut's shard settings unless ``codec`` / ``max_shard_bytes`` say otherwise."""
         self._require(OPEN, "write files")
-        files, tensors = self._protocol.write_shards(self.id, rank, items, codec=codec, max_shard_bytes=max_shard_bytes,
-                                                     on_bytes=on_bytes, timings=timings, hash_threads=hash_threads)
+        files, tensors = self._protocol.write_shards(
+            self.id, rank, items, codec=codec or self.shards.make_codec(),
+            max_shard_bytes=max_shard_bytes or self.shards.max_shard_bytes, on_bytes=on_bytes, timings=timings,
+            hash_threads=hash_threads)
         self.add_files(files, tensors, rank=rank)
         return files, tensors
 
@@ -91,17 +97,20 @@ class PendingCut:
             raise UsageError(f"file records of cut {self.id} name another rank than {rank}", cut=self.id)
         self._files[rank] = (list(files), list(tensors))
 
-    def publish(self, files: list[FileRecord], tensors: list[TensorRecord], *, tree: dict[str, Any],
-                pickled: bool, mode: str = "sync", attached: Sequence[AttachedFile] = ()) -> None:
-        """The part of a cut of one rank, kept here for ``commit`` (as :meth:`RankPart.publish` keeps a
-        part of several in a durable record): so one save path writes a part whatever the world size.
-        ``mode`` is the commit's to record."""
+    def publish(self, files: list[FileRecord], tensors: list[TensorRecord], intent: CutIntent | None = None, /,
+                **fields: Any) -> None:
+        """The part of a cut of one rank (the intent's ``tree``, ``pickled`` and ``attached``), kept
+        here for ``commit`` (as :meth:`RankPart.publish` keeps a part of several in a durable record):
+        so one save path writes a part whatever the world size."""
+        part = CutIntent.given(intent, fields, what="publish")
         if self.world_size != 1:
             raise UsageError(f"cut {self.id} of {self.world_size} ranks takes its parts from rank records",
                              store=self._protocol.url, cut=self.id)
+        if part.tree is None:
+            raise UsageError(f"the part of cut {self.id} needs its tree", store=self._protocol.url, cut=self.id)
         self.add_files(files, tensors)
-        self._trees[0] = (tree, pickled)
-        self._attached[0] = list(attached)
+        self._trees[0] = (part.tree, part.pickled)
+        self._attached[0] = list(part.attached)
 
     def files(self) -> list[FileRecord]:
         """Every file recorded so far, of every rank."""
@@ -157,38 +166,14 @@ class PendingCut:
 
     # outcome -----------------------------------------------------------------------------------------
     @pausing
-    def commit(self, *, tree: dict[str, Any] | None = None, pickled: bool = False, tags: Sequence[str] = (),
-               final: bool = False, metadata: dict[str, Any] | None = None, mode: str = "sync",
-               attached: Sequence[AttachedFile] = ()) -> CutInfo:
+    def commit(self, intent: CutIntent | None = None, /, **fields: Any) -> CutInfo:
         """Publishes the manifest and moves LATEST: returns once the cut is committed durably. On a
         failure before the commit point the cut is abandoned; when LATEST may have moved the cut is
-        left to recovery (state "unknown"); either way the error is raised. A cut of one rank passes
-        its ``tree`` and ``attached`` files; a cut of several takes every rank's from the collected
-        records."""
+        left to recovery (state "unknown"); either way the error is raised. ``intent`` (or its fields
+        as keywords) says what the manifest records: a cut of one rank takes its tree and attached
+        files from it or from its published part, a cut of several from the collected records."""
         self._require(WRITTEN, "commit")
-        files = [f for rank in sorted(self._files) for f in self._files[rank][0]]
-        tensors = [t for rank in sorted(self._files) for t in self._files[rank][1]]
-        ident = host_identity()
-        extra: dict[str, Any] = {}
-        if self.world_size > 1:
-            if tree is not None or len(self._trees) != self.world_size:
-                raise UsageError(f"cut {self.id} of {self.world_size} ranks commits the trees of its collected "
-                                 "rank records", store=self._protocol.url, cut=self.id)
-            tree = {"t": "ranks", "ranks": [self._trees[r][0] for r in range(self.world_size)]}
-            pickled = any(p for _, p in self._trees.values())
-            attached = [a for r in range(self.world_size) for a in self._attached.get(r, [])]
-            extra = {"format_version": RANKS_FORMAT_VERSION, "world_size": self.world_size}
-        elif tree is None and 0 in self._trees:  # the part published here
-            tree, pickled = self._trees[0]
-            attached = self._attached.get(0, [])
-        elif tree is None:
-            raise UsageError(f"committing cut {self.id} needs its tree", store=self._protocol.url, cut=self.id)
-        manifest = Manifest(
-            cut=self.id, step=self.step, tags=list(tags), final=final, created_at=now_iso(),
-            writer=WriterIdentity(host=ident.host, pid=ident.pid, ckptstore_version=__version__, mode=mode),
-            metadata=dict(metadata or {}), files=files, tensors=tensors, tree=tree, pickled=pickled,
-            attached=list(attached), **extra,
-        )
+        manifest = self._manifest(CutIntent.given(intent, fields, what="commit"))
         self._move(COMMITTING)
         try:
             digest = self._protocol.write_manifest(manifest)
@@ -216,13 +201,39 @@ class PendingCut:
             pass
         return CutInfo.from_manifest(manifest)
 
-    def finish(self, *, tags: Sequence[str] = (), final: bool = False, metadata: dict[str, Any] | None = None,
-               mode: str = "sync") -> CutInfo:
+    def finish(self, intent: CutIntent | None = None, /, **fields: Any) -> CutInfo:
         """The coordinator's side of every driver: collect the parts (rank records; one rank's was
         published here), make their names durable, commit. One copy of the sequence (issue 20)."""
         self.collect_ranks()
         self.files_durable()
-        return self.commit(tags=tags, final=final, metadata=metadata, mode=mode)
+        return self.commit(intent, **fields)
+
+    def _manifest(self, intent: CutIntent) -> Manifest:
+        files = [f for rank in sorted(self._files) for f in self._files[rank][0]]
+        tensors = [t for rank in sorted(self._files) for t in self._files[rank][1]]
+        tree, pickled, attached = intent.tree, intent.pickled, intent.attached
+        extra: dict[str, Any] = {}
+        if self.world_size > 1:
+            # Every rank's part (the coordinator's too: the intent's part fields) is in its record.
+            if len(self._trees) != self.world_size:
+                raise UsageError(f"cut {self.id} of {self.world_size} ranks commits the trees of its collected "
+                                 "rank records (collect_ranks first)", store=self._protocol.url, cut=self.id)
+            tree = {"t": "ranks", "ranks": [self._trees[r][0] for r in range(self.world_size)]}
+            pickled = any(p for _, p in self._trees.values())
+            attached = [a for r in range(self.world_size) for a in self._attached.get(r, [])]
+            extra = {"format_version": RANKS_FORMAT_VERSION, "world_size": self.world_size}
+        elif tree is None and 0 in self._trees:  # the part published here
+            tree, pickled = self._trees[0]
+            attached = self._attached.get(0, [])
+        elif tree is None:
+            raise UsageError(f"committing cut {self.id} needs its tree", store=self._protocol.url, cut=self.id)
+        ident = host_identity()
+        return Manifest(
+            cut=self.id, step=self.step, tags=list(intent.tags), final=intent.final, created_at=now_iso(),
+            writer=WriterIdentity(host=ident.host, pid=ident.pid, ckptstore_version=__version__, mode=intent.mode),
+            metadata=dict(intent.metadata), files=files, tensors=tensors, tree=tree, pickled=pickled,
+            attached=list(attached), **extra,
+        )
 
     @staticmethod
     def left_as(pending: "PendingCut | None") -> str:
@@ -253,23 +264,26 @@ class RankPart:
     can reach the storage (a rank, its writer process) can write one."""
 
     def __init__(self, protocol: CommitProtocol, storage: "Storage", cut: str, step: int, rank: int,
-                 world_size: int) -> None:
+                 world_size: int, shards: ShardSpec | None = None) -> None:
         self._protocol = protocol
         self._storage = storage
         self.id = cut
         self.step = step
         self.rank = rank
         self.world_size = world_size
+        self.shards = shards if shards is not None else ShardSpec()
         self.published = False
 
     def __repr__(self) -> str:
         return f"RankPart({self.id!r}, rank {self.rank} of {self.world_size})"
 
-    def write(self, items: Sequence[ArrayItem], *, codec: Codec, max_shard_bytes: int,
+    def write(self, items: Sequence[ArrayItem], *, codec: Codec | None = None, max_shard_bytes: int | None = None,
               timings: dict[str, float] | None = None, hash_threads: int = hashing.AUTO
               ) -> tuple[list[FileRecord], list[TensorRecord]]:
-        """Writes ``items`` as this rank's shards (durable on return); ``publish`` them next."""
-        return self._protocol.write_shards(self.id, self.rank, items, codec=codec, max_shard_bytes=max_shard_bytes,
+        """Writes ``items`` as this rank's shards (durable on return), with the cut's shard settings
+        unless ``codec`` / ``max_shard_bytes`` say otherwise; ``publish`` them next."""
+        return self._protocol.write_shards(self.id, self.rank, items, codec=codec or self.shards.make_codec(),
+                                           max_shard_bytes=max_shard_bytes or self.shards.max_shard_bytes,
                                            timings=timings, hash_threads=hash_threads)
 
     def discard_files(self) -> None:
@@ -279,9 +293,14 @@ class RankPart:
             raise UsageError(f"rank {self.rank} already published its part of cut {self.id}", cut=self.id)
         self._protocol.discard_rank_files(self.id, self.rank)
 
-    def publish(self, files: list[FileRecord], tensors: list[TensorRecord], *, tree: dict[str, Any],
-                pickled: bool, mode: str = "sync", attached: Sequence[AttachedFile] = ()) -> RankRecord:
-        """Makes the names of this rank's (fsynced) files durable, then writes its record durably."""
+    def publish(self, files: list[FileRecord], tensors: list[TensorRecord], intent: CutIntent | None = None, /,
+                **fields: Any) -> RankRecord:
+        """Makes the names of this rank's (fsynced) files durable, then writes its record durably: the
+        intent's part (``tree``, ``pickled``, ``attached``) under its writer ``mode``."""
+        part = CutIntent.given(intent, fields, what="publish")
+        if part.tree is None:
+            raise UsageError(f"rank {self.rank}'s part of cut {self.id} needs its tree", cut=self.id)
+        tree, pickled, mode, attached = part.tree, part.pickled, part.mode, part.attached
         if self.published:
             raise UsageError(f"rank {self.rank} already published its part of cut {self.id}", cut=self.id)
         self._protocol.files_durable(self.id)

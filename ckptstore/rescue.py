@@ -12,11 +12,11 @@ Steps and invariants are the protocol's own (:mod:`ckptstore.protocol`); the sam
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from . import layout
 from .errors import StorageError
-from .attached import AttachedFile
+from .intent import CutIntent
 from .manifest import FileRecord, TensorRecord
 from .pending import PendingCut, RankPart
 from .protocol import CommitProtocol
@@ -35,17 +35,18 @@ def ensure_marked(storage: Storage, guard: Callable[[], None], *, cut: str, step
 
 
 def finish_orphaned_cut(storage: Storage, guard: Callable[[], None], *, cut: str, step: int, rank: int,
-                        files: list[FileRecord], tensors: list[TensorRecord], tree: dict[str, Any], pickled: bool,
-                        tags: list[str], final: bool, metadata: dict[str, Any], mode: str, world_size: int,
-                        rank_timeout: float, attached: list[AttachedFile] | None = None,
-                        log: Log = lambda _m: None) -> str:
-    """Finishes ``cut`` from the files this process wrote; returns "committed", "published" (a rank
-    other than 0 published its record) or "abandoned". Raises what the storage raises."""
+                        files: list[FileRecord], tensors: list[TensorRecord], intent: CutIntent,
+                        rank_timeout: float, log: Log = lambda _m: None) -> str:
+    """Finishes ``cut`` from the files this process wrote, committing ``intent`` (what the trainer's
+    commit thread would have, recorded as written by "rescue:<mode>"); returns "committed",
+    "published" (a rank other than 0 published its record) or "abandoned". Raises what the storage
+    raises."""
     protocol = CommitProtocol(storage, guard=guard)
+    mode, world_size = intent.mode, intent.world_size
     writer = f"rescue:{mode}"
+    recorded = intent.as_recorded(writer)
     if world_size > 1:
-        RankPart(protocol, storage, cut, step, rank, world_size).publish(files, tensors, tree=tree, pickled=pickled,
-                                                                         mode=writer, attached=attached or [])
+        RankPart(protocol, storage, cut, step, rank, world_size).publish(files, tensors, recorded)
         if rank != 0:
             return "published"
     pending = PendingCut(protocol, storage, cut, step, writer, on_end=lambda _p: None, world_size=world_size)
@@ -58,7 +59,7 @@ def finish_orphaned_cut(storage: Storage, guard: Callable[[], None], *, cut: str
         return "abandoned"
     ensure_marked(storage, guard, cut=cut, step=step, mode=mode)  # the trainer died before marking it
     if world_size == 1:  # the part is kept by the cut itself (several ranks: in their records)
-        pending.publish(files, tensors, tree=tree, pickled=pickled, mode=writer, attached=attached or [])
+        pending.publish(files, tensors, recorded)
     else:
         have, since = -1, time.monotonic()
         while True:
@@ -81,7 +82,7 @@ def finish_orphaned_cut(storage: Storage, guard: Callable[[], None], *, cut: str
         return "abandoned"
     pending.files_durable()
     try:
-        pending.commit(tags=tags, final=final, metadata=metadata, mode=writer)
+        pending.commit(recorded)
     except StorageError:
         if pending.state == "unknown":
             return "unknown"

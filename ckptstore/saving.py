@@ -20,11 +20,11 @@ from .attached import AttachedFile, FilesArg, close_sources, open_sources
 from .collective import Collective
 from .errors import StorageError, UsageError
 from .info import CutInfo
+from .intent import CutIntent
 from .pending import PendingCut, RankPart
 from .events import Emitter
 from .options import StoreOptions
 from .ranks import RankGroup
-from .shards import Codec
 from .tree import flatten, has_pickle
 
 
@@ -41,8 +41,6 @@ class Saver(Protocol):
                   ) -> PendingCut: ...
 
     def rank_part(self, cut: str, step: int) -> RankPart: ...
-
-    def shard_codec(self) -> Codec: ...
 
 
 def save(store: Saver, state: Any, *, step: int, tags: Sequence[str], final: bool,
@@ -81,6 +79,7 @@ def _save(store: Saver, c: Collective, state: Any, *, step: int, tags: Sequence[
     tree, items, pickled, attached = c.all("save-prepare", prepare, same={"step": step, "final": bool(final)},
                                            doing=f"preparing the cut of step {step}")
     marks.append(time.perf_counter())
+    intent = CutIntent(tags=list(tags), final=bool(final), metadata=metadata, mode="sync", world_size=c.size)
     pending: PendingCut | None = None
 
     def begin() -> str:
@@ -90,12 +89,12 @@ def _save(store: Saver, c: Collective, state: Any, *, step: int, tags: Sequence[
 
     def write() -> None:
         part: PendingCut | RankPart = pending if c.size == 1 else store.rank_part(cut, step)  # type: ignore[assignment]
-        written, arrays = part.write(items, codec=store.shard_codec(), max_shard_bytes=store.options.max_shard_bytes)
-        part.publish(written, arrays, tree=tree, pickled=pickled, attached=attached)
+        written, arrays = part.write(items)
+        part.publish(written, arrays, intent.model_copy(update={"tree": tree, "pickled": pickled, "attached": attached}))
 
     def commit() -> CutInfo:
         assert pending is not None
-        return pending.finish(tags=tags, final=final, metadata=metadata, mode="sync")
+        return pending.finish(intent)
 
     try:
         cut = c.coordinate("save-begin", begin, doing=f"to begin the cut of step {step}")

@@ -32,6 +32,7 @@ from .errors import (
 from .events import Emitter, log
 from .gcpause import pausing
 from .info import CutInfo
+from .intent import ShardSpec
 from .latest import StoreIdentity
 from .loader import load_manifest, restore_attached
 from .lock import WriterLock
@@ -415,7 +416,8 @@ class Store:
             cut = layout.new_cut_id(step)
         elif layout.check_cut_id(cut, store=self.url) and layout.step_of_cut_id(cut) != step:
             raise UsageError(f"cut id {cut} does not match step {step}", store=self.url, cut=cut)
-        pending = PendingCut(self._protocol, self.storage, cut, step, writer, on_end=self._ended, world_size=world_size)
+        pending = PendingCut(self._protocol, self.storage, cut, step, writer, on_end=self._ended, world_size=world_size,
+                             shards=ShardSpec.of(self.options))
         self._in_flight[cut] = pending
         try:
             self._own_dirs(layout.MARKS_DIR)
@@ -461,7 +463,7 @@ class Store:
         if layout.step_of_cut_id(cut) != step:
             raise UsageError(f"cut id {cut} does not match step {step}", store=self.url, cut=cut)
         self._protocol.open_rank_dir(cut)
-        return RankPart(self._protocol, self.storage, cut, step, rank, world_size)
+        return RankPart(self._protocol, self.storage, cut, step, rank, world_size, shards=ShardSpec.of(self.options))
 
     @pausing
     def save(

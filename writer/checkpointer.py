@@ -33,6 +33,7 @@ from ckptstore.manifest import FileRecord, TensorRecord
 from ckptstore.options import StoreOptions
 from ckptstore.pending import PendingCut, RankPart
 from ckptstore.info import CutInfo
+from ckptstore.intent import CutIntent, ShardSpec
 from ckptstore.ranks import check_all_ok, check_same, outcome
 from ckptstore.retention import Policy
 from ckptstore.storage import StorageSpec
@@ -394,8 +395,11 @@ class Checkpointer:
                          attached_files=len(captured.attached), capture_mode=captured.mode,
                          capture_reason=captured.reason, writer_mode=self.options.mode,
                          skipped_total=self.skipped, waited_total=self.waited, **event)
-        job = (handle, captured, {"tags": list(tags), "metadata": dict(metadata or {}), "final": final})
-        self._hand_over(handle, captured, job[2])
+        intent = CutIntent(tree=captured.tree, pickled=captured.pickled, attached=list(captured.attached),
+                           tags=list(tags), final=final, metadata=metadata, mode=self.options.mode,
+                           world_size=self.collective.size)
+        job = (handle, captured, intent)
+        self._hand_over(handle, captured, intent)
         if self.options.mode == "inline":
             self._process(*job)
         else:
@@ -422,7 +426,7 @@ class Checkpointer:
                 return
             self._process(*job)
 
-    def _process(self, handle: CutHandle, captured: Captured, extra: dict[str, Any]) -> None:
+    def _process(self, handle: CutHandle, captured: Captured, intent: CutIntent) -> None:
         """One cut behind the loop, for one rank and many (issue 20): mark (rank 0), write this rank's
         part (writer process, else this thread) and publish it, commit (rank 0, once every rank's part
         is durable), prune (rank 0). Never raises: the outcome lands in the handle, and unreported
@@ -441,8 +445,7 @@ class Checkpointer:
             captured.ready()
             target: PendingCut | RankPart = pending if c.size == 1 else self.store.rank_part(handle.id, handle.step)  # type: ignore[assignment]
             files, tensors, timings = self._write(handle, captured, target)
-            target.publish(files, tensors, tree=captured.tree, pickled=captured.pickled, mode=self.options.mode,
-                           attached=captured.attached)
+            target.publish(files, tensors, intent)
             handle.timings.update(timings)
             self.events.emit("written", step=handle.step, cut=handle.id, bytes=sum(f.nbytes for f in files),
                              timings={k: round(v, 6) for k, v in timings.items()}, writer_mode=self.options.mode,
@@ -453,8 +456,7 @@ class Checkpointer:
             nonlocal t_commit
             assert pending is not None
             t_commit = time.perf_counter()
-            return pending.finish(tags=extra["tags"], final=extra["final"], metadata=extra["metadata"],
-                                  mode=self.options.mode)
+            return pending.finish(intent)
 
         with c.busy():
             try:
@@ -469,7 +471,7 @@ class Checkpointer:
         ranked = {"world_size": c.size} if c.size > 1 else {}
         self.events.emit("committed", step=handle.step, cut=handle.id, bytes=info.nbytes,
                          timings={"commit": elapsed(t_commit) if c.coordinator else None, "total": elapsed(t0)},
-                         writer_mode=self.options.mode, fallback=handle.fallback, final=extra["final"], **ranked)
+                         writer_mode=self.options.mode, fallback=handle.fallback, final=intent.final, **ranked)
         if c.coordinator and self.options.keep is not None:
             try:
                 self.store.prune(self.options.keep)
@@ -522,13 +524,13 @@ class Checkpointer:
                 pending.discard_files()
         return self._write_here(captured, pending)
 
-    def _hand_over(self, handle: CutHandle, captured: Captured, extra: dict[str, Any]) -> None:
+    def _hand_over(self, handle: CutHandle, captured: Captured, intent: CutIntent) -> None:
         """Process mode: hands the cut to the writer process before the loop goes on, with what it
         needs to finish the cut alone should this process die from here on (``ckptstore.rescue``).
         A writer that is gone is left to the commit thread (its fallback)."""
         if self.options.mode != "process" or self._writer is None or not self._writer.alive:
             return
-        req = self._request(handle, captured, extra)
+        req = self._request(handle, captured, intent)
         try:
             assert self._block is not None
             self._writer.submit(req, self._block.fd)
@@ -545,18 +547,15 @@ class Checkpointer:
         if handle.handed_over and self._writer is not None:
             self._writer.end(handle.id)
 
-    def _request(self, handle: CutHandle, captured: Captured, extra: dict[str, Any] | None = None) -> P.WriteRequest:
+    def _request(self, handle: CutHandle, captured: Captured, intent: CutIntent | None = None) -> P.WriteRequest:
+        """A write of the captured block; with ``intent``, what the writer needs to finish the cut alone."""
         assert self._block is not None
-        codec = self.store.shard_codec()
         ranks = self.store.ranks
-        finish = None if extra is None else P.Finish(
-            tree=captured.tree, pickled=captured.pickled, tags=list(extra["tags"]), final=bool(extra["final"]),
-            metadata=dict(extra["metadata"]), mode=self.options.mode, world_size=ranks.size if ranks else 1,
-            rank_timeout=ranks.rank_timeout if ranks else 300.0, stall_timeout=self.options.write_timeout,
-            attached=list(captured.attached))
+        finish = None if intent is None else P.Finish(
+            **dict(intent), rank_timeout=ranks.rank_timeout if ranks else 300.0,
+            stall_timeout=self.options.write_timeout)
         return P.WriteRequest(cut=handle.id, step=handle.step, block=self._block.name, block_size=self._block.size,
-                              slots=list(captured.plan.slots), codec=codec.name,  # type: ignore[arg-type]
-                              zstd_level=codec.level, max_shard_bytes=self.store.options.max_shard_bytes,
+                              slots=list(captured.plan.slots), shards=ShardSpec.of(self.store.options),
                               rank=ranks.rank if ranks is not None else 0, finish=finish,
                               after_mark=finish is not None, block_complete=captured.complete)
 
@@ -568,8 +567,7 @@ class Checkpointer:
         view = self._block.view
         items = [s.item(view) for s in captured.plan.slots]
         timings: dict[str, float] = {}
-        files, tensors = pending.write(items, codec=self.store.shard_codec(),
-                                       max_shard_bytes=self.store.options.max_shard_bytes, timings=timings)
+        files, tensors = pending.write(items, timings=timings)
         timings["total"] = time.perf_counter() - t0
         return files, tensors, timings
 

@@ -20,8 +20,8 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, TypeAdapter
 
-from ckptstore.attached import AttachedFile
 from ckptstore.errors import CkptStoreError, wire_form
+from ckptstore.intent import CutIntent, ShardSpec
 from ckptstore.manifest import FileRecord, TensorRecord
 from ckptstore.models import StrictModel
 
@@ -50,21 +50,13 @@ class OpenStore(StrictModel):
     lock: dict[str, Any] = Field(default_factory=dict)
 
 
-class Finish(StrictModel):
+class Finish(CutIntent):
     """How the cut of a request is finished should the trainer die before it ends it (the rescue):
-    what its commit thread would have committed. ``rank_timeout``: how long rank 0's rescuer waits
-    for a rank record that does not come."""
+    the intent its commit thread would have committed (the same record, issue 20), and how long rank
+    0's rescuer waits for a rank record that does not come (``rank_timeout``)."""
 
-    tree: dict[str, Any]
-    pickled: bool
-    tags: list[str]
-    final: bool
-    metadata: dict[str, Any]
-    mode: str
-    world_size: int = 1
     rank_timeout: float = 300.0
     stall_timeout: float = 600.0
-    attached: list[AttachedFile] = Field(default_factory=list)
 
 
 class WriteRequest(StrictModel):
@@ -77,9 +69,7 @@ class WriteRequest(StrictModel):
     block: str
     block_size: int
     slots: list[Slot]
-    codec: Literal["none", "zstd"]
-    zstd_level: int = 1
-    max_shard_bytes: int = Field(ge=1)
+    shards: ShardSpec
     rank: int = 0
     finish: Finish | None = None
     #: Handed over at capture: write nothing before the ``marked`` frame of this cut (or, once the

@@ -35,7 +35,7 @@ from typing import Any
 from ckptstore.gcpause import pausing
 from ckptstore.lock import InheritedLock
 from ckptstore.protocol import CommitProtocol
-from ckptstore.shards import Codec, write_shards
+from ckptstore.shards import write_shards
 from ckptstore.storage import Storage, StorageSpec, open_spec
 
 from . import protocol as P
@@ -185,9 +185,7 @@ class Worker:
                 raise RuntimeError("the store's lock could not be taken over")
             outcome = finish_orphaned_cut(
                 self.storage, lock.ensure_held, cut=req.cut, step=req.step, rank=req.rank, files=done.files,
-                tensors=done.tensors, tree=f.tree, pickled=f.pickled, tags=f.tags, final=f.final,
-                metadata=f.metadata, mode=f.mode, world_size=f.world_size, rank_timeout=f.rank_timeout,
-                attached=list(f.attached), log=log)
+                tensors=done.tensors, intent=f, rank_timeout=f.rank_timeout, log=log)
             log(f"the trainer died; finished cut {req.cut}: {outcome}")
         except BaseException as exc:  # noqa: BLE001 - nothing to report to: the store's gc cleans up
             log(f"the trainer died; could not finish cut {req.cut}: {type(exc).__name__}: {exc}")
@@ -280,8 +278,8 @@ class Worker:
         block = self.blocks[req.block]
         items = [s.item(block.view) for s in req.slots]
         timings: dict[str, float] = {}
-        files, tensors = write_shards(storage, req.cut, req.rank, items, codec=Codec(req.codec, req.zstd_level),
-                                      max_shard_bytes=req.max_shard_bytes, on_bytes=self.progress(req),
+        files, tensors = write_shards(storage, req.cut, req.rank, items, codec=req.shards.make_codec(),
+                                      max_shard_bytes=req.shards.max_shard_bytes, on_bytes=self.progress(req),
                                       timings=timings, hash_threads=self.hash_threads)
         timings["total"] = time.perf_counter() - t0
         return P.WriteDone(cut=req.cut, files=files, tensors=tensors, timings=timings)
