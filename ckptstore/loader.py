@@ -9,7 +9,7 @@ the cut holds: user classes come back as themselves only when named in ``allowed
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .arrays import empty_for, finish_tensor
 from .attached import AttachedFile, Restorer
@@ -52,31 +52,40 @@ def load_manifest(
     allowed = list(allowed_map(allowed_types, where).values())  # a UsageError before any byte is read
     tree = _select_tree(m, keys, where)
     index = m.tensor_index()
+    needed = _needed_arrays(m, tree, index, keys, where)
+    objs = _read_arrays(storage, m, needed, partial=keys is not None, map_location=map_location, verify=verify,
+                        where=where)
+    leaf = _leaf_maker(objs, map_location, where)
+    return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where, records=index, allowed_types=allowed)
+
+
+def _needed_arrays(m: Manifest, tree: dict[str, Any], index: dict[str, TensorRecord], keys: Sequence[str] | None,
+                   where: dict[str, Any]) -> set[str]:
+    """The names of the arrays a load of ``tree`` reads into memory."""
     if keys is None:
-        # A whole load reads every array; a tree naming one the manifest lacks fails in leaf() below
+        # A whole load reads every array; a tree naming one the manifest lacks fails in _leaf_maker's leaf()
         # (walking a tree of 40,000 leaves twice cost 6% of such a load). Attached files are not state:
         # their bytes are checked through a bounded buffer and dropped (``restore_attached`` writes them out).
-        needed = set(index) - {a.array for a in m.attached}
-    else:
-        needed = set(leaf_names(tree))
-        unknown = needed - set(index)
-        if unknown:
-            raise CorruptCut(f"manifest tree names arrays it does not record: {sorted(unknown)[:3]}", **where)
+        return set(index) - {a.array for a in m.attached}
+    needed = set(leaf_names(tree))
+    unknown = needed - set(index)
+    if unknown:
+        raise CorruptCut(f"manifest tree names arrays it does not record: {sorted(unknown)[:3]}", **where)
+    return needed
+
+
+def _read_arrays(storage: Storage, m: Manifest, needed: set[str], *, partial: bool, map_location: Any, verify: bool,
+                 where: dict[str, Any]) -> dict[str, Any]:
+    """Array name -> the array read (and checked) for every name in ``needed``, shard by shard; a partial
+    load (``partial``) reads only the byte ranges it needs of an uncompressed shard."""
     objs: dict[str, Any] = {}
     for rec in m.files:
         in_file = [t for t in m.tensors if t.file == rec.name]
         wanted = [t for t in in_file if t.name in needed]
         if not wanted:
             continue
-        if keys is not None and rec.codec == "none" and len(wanted) < len(in_file):
-            header = read_header(storage, m.cut, rec)
-            # The same header checks as a full read, so a partial load never accepts a shard a full
-            # load refuses.
-            check_header_matches(header, in_file, {**where, "path": f"cuts/{m.cut}/{rec.name}"})
-            for t in wanted:
-                obj, view = _allocate(t, {**where, "path": f"cuts/{m.cut}/{rec.name}"})
-                read_tensor_range(storage, m.cut, rec, header, t, view, verify=verify)
-                objs[t.name] = obj
+        if partial and rec.codec == "none" and len(wanted) < len(in_file):
+            _read_ranges(storage, m, rec, in_file, wanted, objs, verify=verify, where=where)
             continue
         _read_shard(storage, m, rec, in_file, needed, objs, verify=verify, reuses_buffers=len(wanted) < len(in_file))
         if _on_device(map_location):
@@ -85,7 +94,25 @@ def load_manifest(
             for t in wanted:
                 if t.kind == "torch":
                     objs[t.name] = objs[t.name].to(map_location)
+    return objs
 
+
+def _read_ranges(storage: Storage, m: Manifest, rec: FileRecord, in_file: list[TensorRecord],
+                 wanted: list[TensorRecord], objs: dict[str, Any], *, verify: bool, where: dict[str, Any]) -> None:
+    """Reads only the arrays ``wanted`` of the uncompressed shard ``rec``, each by its byte range into a
+    new array of ``objs``, each checked against its own blake3."""
+    header = read_header(storage, m.cut, rec)
+    # The same header checks as a full read, so a partial load never accepts a shard a full
+    # load refuses.
+    check_header_matches(header, in_file, {**where, "path": f"cuts/{m.cut}/{rec.name}"})
+    for t in wanted:
+        obj, view = _allocate(t, {**where, "path": f"cuts/{m.cut}/{rec.name}"})
+        read_tensor_range(storage, m.cut, rec, header, t, view, verify=verify)
+        objs[t.name] = obj
+
+
+def _leaf_maker(objs: dict[str, Any], map_location: Any, where: dict[str, Any]) -> Callable[[str, dict[str, Any]], Any]:
+    """The ``leaf`` callback of ``unflatten``: a tree node's array, finished as the node says."""
     finished: dict[tuple[Any, ...], Any] = {}
 
     def leaf(name: str, node: dict[str, Any]) -> Any:
@@ -103,7 +130,7 @@ def load_manifest(
             finished[key] = finish_tensor(obj, node, map_location)
         return finished[key]
 
-    return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where, records=index, allowed_types=allowed)
+    return leaf
 
 
 def restore_attached(storage: Storage, m: Manifest, restorer: Restorer, *, verify: bool = True) -> None:

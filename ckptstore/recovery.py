@@ -17,7 +17,7 @@ from typing import Any
 
 from . import hashing, layout
 from .errors import CkptStoreError, CorruptCut, DataError, ManifestError, StorageError
-from .storage import Storage
+from .storage import Entry, Storage
 from .latest import Pointer
 from .manifest import Manifest
 from .info import CutInfo
@@ -116,18 +116,45 @@ ManifestCache = dict[tuple[str, str], Manifest]
 def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
     """Reads a store root into a :class:`DiskState`. Names are checked before they are used as paths.
     ``cache`` (optional) reuses manifests parsed by an earlier scan whose bytes are unchanged; it is
-    updated to hold exactly this scan's manifests."""
+    updated to hold exactly this scan's manifests. The order of the reads is part of the contract
+    (docs/design.md: LATEST first, then ``cuts/``, then ``marks/``; see :func:`classify_now`)."""
     refuse_symlinked_dirs(storage)  # before anything is listed, read or (by gc, prune, open) deleted
     st = DiskState()
     seen: ManifestCache = {}
     where = {"store": storage.url}
+    present = _scan_root(storage, st)
+    _scan_latest(storage, st, where)
+    for entry in storage.list_dir(layout.CUTS_DIR):
+        _scan_cut_dir(storage, st, entry, cache, seen, where)
+    for sub, target in ((layout.MARKS_DIR, st.marks), (layout.BAD_DIR, st.bad), (layout.FINAL_DIR, st.final)):
+        # marks/ is always listed: a mark created after the root listing must still be seen, or a cut in
+        # progress would pass for committed. Bad records, final marks and labels only annotate
+        # committed cuts: a directory absent from the root listing is not listed (on an object store,
+        # each listing of a missing prefix costs two requests).
+        if sub != layout.MARKS_DIR and sub not in present:
+            continue
+        _scan_records(storage, st, sub, target, where)
+    if layout.LABELS_DIR in present:
+        _scan_labels(storage, st, where)
+    if cache is not None:
+        cache.clear()
+        cache.update(seen)
+    return st
+
+
+def _scan_root(storage: Storage, st: DiskState) -> set[str]:
+    """Lists the store root into ``st`` (temp files, foreign entries); returns the names present."""
     root = storage.list_dir("")
-    present = {entry.name for entry in root}
     for entry in root:
         if layout.is_tmp_name(entry.name) and not entry.is_dir:
             st.tmp_files.append(entry.name)
         elif entry.name not in layout.ROOT_ENTRIES:
             st.foreign.append(entry.name)
+    return {entry.name for entry in root}
+
+
+def _scan_latest(storage: Storage, st: DiskState, where: dict[str, str]) -> None:
+    """Reads LATEST into ``st``: its pointer, or the DataError that it does not parse."""
     if storage.exists(layout.LATEST_FILE):
         st.latest_present = True
         try:
@@ -138,69 +165,72 @@ def scan(storage: Storage, cache: ManifestCache | None = None) -> DiskState:
                 st.latest = Pointer.from_bytes(data, path=layout.LATEST_FILE, **where)
         except DataError as exc:
             st.latest_error = exc
-    for entry in storage.list_dir(layout.CUTS_DIR):
-        rel = f"{layout.CUTS_DIR}/{entry.name}"
+
+
+def _scan_cut_dir(storage: Storage, st: DiskState, entry: Entry, cache: ManifestCache | None, seen: ManifestCache,
+                  where: dict[str, str]) -> None:
+    """Reads one entry of ``cuts/`` into ``st``: a cut directory (its temp files and its manifest), a
+    temp file, or a foreign entry."""
+    rel = f"{layout.CUTS_DIR}/{entry.name}"
+    if layout.is_tmp_name(entry.name) and not entry.is_dir:
+        st.tmp_files.append(rel)
+        return
+    if not entry.is_dir or not layout.is_cut_id(entry.name):
+        st.foreign.append(rel)
+        return
+    st.cut_dirs.add(entry.name)
+    listing = storage.list_dir(rel)
+    names = {e.name for e in listing}
+    for n in (e.name for e in listing if not e.is_dir):
+        if layout.is_tmp_name(n):
+            st.tmp_files.append(f"{rel}/{n}")
+    if layout.MANIFEST_FILE in names:
+        _scan_manifest(storage, st, entry.name, cache, seen, where)
+
+
+def _scan_manifest(storage: Storage, st: DiskState, cut: str, cache: ManifestCache | None, seen: ManifestCache,
+                   where: dict[str, str]) -> None:
+    """Reads the manifest of ``cut`` into ``st`` (parsed, or reused from ``cache`` when its bytes are
+    unchanged), or records it broken; adds it to ``seen``."""
+    mpath = layout.manifest_path(cut)
+    try:
+        data = _read_own(storage, mpath, {**where, "cut": cut})
+        if data is None:
+            return  # uncommitted by a concurrent prune since the listing: the cut is going
+        digest = hashing.digest(data)
+        key = (cut, digest)
+        m = cache.get(key) if cache is not None else None
+        if m is None:
+            m = Manifest.from_bytes(data, cut=cut, path=mpath, **where)
+        if m.cut != cut:
+            raise DataError(f"manifest names cut {m.cut!r} but lives in {cut!r}", cut=cut, path=mpath, **where)
+        seen[key] = m
+        st.manifests[cut] = m
+        st.manifest_hashes[cut] = digest
+    except DataError as exc:
+        st.broken_manifests[cut] = exc
+
+
+def _scan_records(storage: Storage, st: DiskState, sub: str, target: dict[str, Any], where: dict[str, str]) -> None:
+    """Reads the per-cut records of ``sub`` (``marks/``, ``bad/`` or ``final/``) into ``target``: cut ->
+    its record, None when it is ours by name but does not read."""
+    model = {layout.MARKS_DIR: Mark, layout.BAD_DIR: BadCut, layout.FINAL_DIR: FinalMark}[sub]
+    for entry in storage.list_dir(sub):
+        rel = f"{sub}/{entry.name}"
         if layout.is_tmp_name(entry.name) and not entry.is_dir:
             st.tmp_files.append(rel)
             continue
-        if not entry.is_dir or not layout.is_cut_id(entry.name):
+        cut = layout.cut_id_of_mark(entry.name)
+        if cut is None or entry.is_dir:
             st.foreign.append(rel)
             continue
-        st.cut_dirs.add(entry.name)
-        listing = storage.list_dir(rel)
-        names = {e.name for e in listing}
-        for n in (e.name for e in listing if not e.is_dir):
-            if layout.is_tmp_name(n):
-                st.tmp_files.append(f"{rel}/{n}")
-        if layout.MANIFEST_FILE in names:
-            mpath = layout.manifest_path(entry.name)
-            try:
-                data = _read_own(storage, mpath, {**where, "cut": entry.name})
-                if data is None:
-                    continue  # uncommitted by a concurrent prune since the listing: the cut is going
-                digest = hashing.digest(data)
-                key = (entry.name, digest)
-                m = cache.get(key) if cache is not None else None
-                if m is None:
-                    m = Manifest.from_bytes(data, cut=entry.name, path=mpath, **where)
-                if m.cut != entry.name:
-                    raise DataError(f"manifest names cut {m.cut!r} but lives in {entry.name!r}",
-                                    cut=entry.name, path=mpath, **where)
-                seen[key] = m
-                st.manifests[entry.name] = m
-                st.manifest_hashes[entry.name] = digest
-            except DataError as exc:
-                st.broken_manifests[entry.name] = exc
-    for sub, target in ((layout.MARKS_DIR, st.marks), (layout.BAD_DIR, st.bad), (layout.FINAL_DIR, st.final)):
-        # marks/ is always listed: a mark created after the root listing must still be seen, or a cut in
-        # progress would pass for committed. Bad records, final marks and labels only annotate
-        # committed cuts: a directory absent from the root listing is not listed (on an object store,
-        # each listing of a missing prefix costs two requests).
-        if sub != layout.MARKS_DIR and sub not in present:
-            continue
-        for entry in storage.list_dir(sub):
-            rel = f"{sub}/{entry.name}"
-            if layout.is_tmp_name(entry.name) and not entry.is_dir:
-                st.tmp_files.append(rel)
-                continue
-            cut = layout.cut_id_of_mark(entry.name)
-            if cut is None or entry.is_dir:
-                st.foreign.append(rel)
-                continue
-            model = {layout.MARKS_DIR: Mark, layout.BAD_DIR: BadCut, layout.FINAL_DIR: FinalMark}[sub]
-            try:
-                data = _read_own(storage, rel, where)
-                if data is None:
-                    continue  # removed since the listing (its cut committed or was collected): no mark
-                target[cut] = model.from_bytes(data, cut=cut, path=rel, **where)  # type: ignore[attr-defined]
-            except CkptStoreError:
-                target[cut] = None  # unreadable: still ours by name, so it is handled, not ignored
-    if layout.LABELS_DIR in present:
-        _scan_labels(storage, st, where)
-    if cache is not None:
-        cache.clear()
-        cache.update(seen)
-    return st
+        try:
+            data = _read_own(storage, rel, where)
+            if data is None:
+                continue  # removed since the listing (its cut committed or was collected): no mark
+            target[cut] = model.from_bytes(data, cut=cut, path=rel, **where)  # type: ignore[attr-defined]
+        except CkptStoreError:
+            target[cut] = None  # unreadable: still ours by name, so it is handled, not ignored
 
 
 def _scan_labels(storage: Storage, st: DiskState, where: dict[str, Any]) -> None:
