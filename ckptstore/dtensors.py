@@ -1,8 +1,8 @@
 """Putting saved DTensor shards (FSDP2, tensor parallel) back into live DTensors.
 
 A cut stores each ``torch.distributed.tensor.DTensor`` as this rank's local shard plus a "dtensor" tree
-node recording its layout (see ``ckptstore.tree``); loading returns the plain local tensor, because a
-reader has no device mesh. ``rewrap`` walks a loaded state dict alongside the live one (the model's or
+node recording its layout (see ``ckptstore.tree.dtensor``); loading returns the plain local tensor, because
+a reader has no device mesh. ``rewrap`` walks a loaded state dict alongside the live one (the model's or
 optimizer's ``state_dict()``) and rebuilds a DTensor wherever the live value is one, on the live mesh
 with the live placements. That is a per-rank restore: each rank reads the shard it wrote, so it needs
 the same world size, mesh and placements as the save; any difference raises UsageError rather than
@@ -19,7 +19,8 @@ import sys
 from typing import Any, Mapping
 
 from .errors import UsageError
-from .tree import _key_path, dtensor_layout
+from .tree.dtensor import dtensor_layout
+from .tree.nodes import key_path
 
 RESHARD_HINT = ("a per-rank restore needs the world size, device mesh and placements of the save; resharding to a "
                 "different world size/mesh needs the DCP reader (not supported yet)")
@@ -153,7 +154,7 @@ class _Rewrapper:
         self.where = where
         self.torch = sys.modules.get("torch")
         self.dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-        self.layouts: dict[tuple[Any, ...], dict[str, Any]] = {}  # as in tree._Flattener: ~100 us each
+        self.layouts: dict[tuple[Any, ...], dict[str, Any]] = {}  # as tree.encode's flattener: ~100 us each
         self.meshes: dict[int, dict[str, Any]] = {}
 
     def layout(self, live: Any, path: tuple[Any, ...]) -> dict[str, Any]:
@@ -161,13 +162,13 @@ class _Rewrapper:
         key = (tuple(live.shape), tuple(live.stride()), id(mesh), tuple(live.placements))
         layout = self.layouts.get(key)
         if layout is None:
-            layout = dtensor_layout(live, what=repr(_key_path(path)), mesh_json=self.meshes.get(id(mesh)))
+            layout = dtensor_layout(live, what=repr(key_path(path)), mesh_json=self.meshes.get(id(mesh)))
             self.layouts[key] = layout
             self.meshes[id(mesh)] = layout["mesh"]
         return layout
 
     def fail(self, path: tuple[Any, ...], msg: str) -> UsageError:
-        return UsageError(f"cannot restore {_key_path(path)!r}: {msg}", hint=RESHARD_HINT, **self.where)
+        return UsageError(f"cannot restore {key_path(path)!r}: {msg}", hint=RESHARD_HINT, **self.where)
 
     def walk(self, loaded: Any, live: Any, node: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(live, _LayoutOf):
@@ -252,6 +253,6 @@ def _describe_node(node: dict[str, Any]) -> str:
 
 def _describe_live(live: Any, path: tuple[Any, ...]) -> str:
     try:
-        return _describe_node(dtensor_layout(live, what=repr(_key_path(path))))
+        return _describe_node(dtensor_layout(live, what=repr(key_path(path))))
     except Exception:  # the message must not fail for a layout ckptstore cannot record
         return f"(global {list(live.shape)}, placements {list(live.placements)})"

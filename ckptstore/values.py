@@ -2,9 +2,9 @@
 
 pathlib paths, enum members, dataclass instances, namedtuples, ``argparse.Namespace``, ``datetime``
 values, sets, OmegaConf containers and class objects each get a node kind (docs/format.md, "The
-tree"). ``encode`` is the save side (called by ``tree._Flattener`` after its fast branches, so tensors,
-dicts, lists and scalars pay nothing for it); ``decode`` the load side (called by ``tree._Builder``, in
-load and in verify's check mode alike).
+tree"). ``encode`` is the save side (called by the flattener of ``tree.encode`` after its fast branches, so
+tensors, dicts, lists and scalars pay nothing for it); ``decode`` the load side (called by the builder of
+``tree.decode``, in load and in verify's check mode alike).
 
 Nothing is ever imported by a name the store holds (a cut is data, not code). Standard-library values
 come back as themselves; a user class (an Enum, a dataclass, a namedtuple, a class object, an OmegaConf
@@ -27,14 +27,10 @@ import pathlib
 import re
 import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .errors import UsageError
-
-#: The node kinds this module encodes and decodes.
-VALUE_KINDS = frozenset({"path", "date", "time", "datetime", "timedelta", "set", "frozenset", "enum", "class",
-                         "dataclass", "namedtuple", "namespace", "omegaconf"})
 
 _PATHS: dict[str, type] = {"PosixPath": pathlib.PosixPath, "WindowsPath": pathlib.WindowsPath,
                            "PurePosixPath": pathlib.PurePosixPath, "PureWindowsPath": pathlib.PureWindowsPath}
@@ -75,7 +71,7 @@ def allowed_map(allowed_types: Any, where: dict[str, Any] | None = None) -> dict
 
 # ------------------------------------------------------------------------------------------- save side
 def encode(f: Any, value: Any, path: tuple[Any, ...]) -> dict[str, Any] | None:
-    """The node of ``value``, one the fast branches of ``_Flattener.node`` did not take, or None when no
+    """The node of ``value``, one the fast branches of the flattener's ``node`` did not take, or None when no
     kind fits (the flattener then pickles or refuses it). ``f`` is the flattener: ``f.node`` encodes a
     child, ``f.refuse`` records a refused value, ``f.plain`` decodes a node as verify does,
     ``f.holds_arrays`` tells whether a node names arrays."""
@@ -210,86 +206,116 @@ def decode(b: Any, t: str, node: dict[str, Any], depth: int) -> Any:
     """The value of a node of one of ``VALUE_KINDS``. ``b`` is the tree builder: ``b.build`` decodes a
     child, ``b.bad`` makes the CorruptCut, ``b.allowed`` maps qualified names to the caller's classes
     (empty in verify's check mode, so verify checks exactly what a load without allowed_types does)."""
-    if t == "path":
-        _fields(b, node, ("type", "v"))
-        cls = _PATHS.get(_str(b, node["type"]))
-        if cls is None:
-            raise b.bad(f"unknown path type {node['type'][:40]!r}")
-        # A concrete path of the other OS cannot be instantiated here: its pure counterpart can.
-        if cls is pathlib.WindowsPath and os.name != "nt":
-            cls = pathlib.PureWindowsPath
-        elif cls is pathlib.PosixPath and os.name == "nt":
-            cls = pathlib.PurePosixPath
-        return cls(_str(b, node["v"]))
-    if t in ("date", "time", "datetime"):
-        _fields(b, node, ("v",), ("fold",) if t != "date" else ())
-        text = _str(b, node["v"])
-        if len(text) > MAX_ISO:
-            raise b.bad(f"a {t} of {len(text)} characters")
-        value = _TIME_TYPES[t].fromisoformat(text)
-        if value.isoformat() != text:  # only the form isoformat() writes
-            raise b.bad(f"{text!r} is not a {t} in the form isoformat() writes")
-        if "fold" in node:
-            if node["fold"] != 1 or type(node["fold"]) is not int:
-                raise b.bad("fold is not 1")
-            value = value.replace(fold=1)
-        return value
-    if t == "timedelta":
-        _fields(b, node, ("days", "seconds", "microseconds"))
-        parts = [node["days"], node["seconds"], node["microseconds"]]
-        if any(type(n) is not int for n in parts):
-            raise b.bad("timedelta fields are not ints")
-        value = dt.timedelta(days=parts[0], seconds=parts[1], microseconds=parts[2])
-        if [value.days, value.seconds, value.microseconds] != parts:
-            raise b.bad(f"timedelta fields {parts} are not normalized "
-                        "(0 <= seconds < 86400, 0 <= microseconds < 10**6)")
-        return value
-    if t in ("set", "frozenset"):
-        _fields(b, node, ("items",))
-        items = [b.build(v, depth + 1) for v in _list(b, node["items"])]
-        return set(items) if t == "set" else frozenset(items)  # TypeError (unhashable) -> CorruptCut
-    if t == "enum":
-        _fields(b, node, ("type", "name", "value"))
-        name = _qualname(b, node)
-        member = node["name"]
-        if member is not None:
-            _str(b, member)
-        value = b.build(node["value"], depth + 1)
-        cls = b.allowed.get(name)
-        return value if cls is None else _member(b, cls, name, member, value)
-    if t == "class":
-        _fields(b, node, ("type",))
-        name = _qualname(b, node)
-        builtin = getattr(builtins, name[len("builtins."):], None) if name.startswith("builtins.") else None
-        if isinstance(builtin, type):
-            return builtin  # int, float, dict...: there without importing anything
-        return b.allowed.get(name, name)
-    if t in ("dataclass", "namedtuple", "namespace"):
-        _fields(b, node, ("fields", "items") if t == "namespace" else ("type", "fields", "items"))
-        name = _qualname(b, node) if t != "namespace" else ""
-        names = _list(b, node["fields"])
-        items = _list(b, node["items"])
-        if any(type(n) is not str for n in names) or len(set(names)) != len(names) or len(names) != len(items):
-            raise b.bad("fields are not distinct strs, one per item")
-        values = [b.build(v, depth + 1) for v in items]
-        if t == "namespace":
-            import argparse  # noqa: PLC0415 - only for cuts that hold one
+    decoder = _DECODERS.get(t)  # one function per kind (issue 20: was one 84-line chain)
+    if decoder is None:
+        raise b.bad(f"unknown node kind {t[:40]!r}")
+    return decoder(b, t, node, depth)
 
-            return argparse.Namespace(**dict(zip(names, values)))
-        cls = b.allowed.get(name)
-        if cls is None:
-            return dict(zip(names, values)) if t == "dataclass" else tuple(values)
-        return _dataclass(b, cls, name, names, values) if t == "dataclass" else _namedtuple(b, cls, name, names, values)
-    if t == "omegaconf":
-        _fields(b, node, ("type", "value"))
-        name = _qualname(b, node)
-        inner = node["value"]
-        if name not in _OMEGACONF or type(inner) is not dict or inner.get("t") != _OMEGACONF[name]:
-            raise b.bad(f"an omegaconf node of type {name[:60]!r} holds no {_OMEGACONF.get(name, 'dict or list')} node")
-        plain = b.build(inner, depth + 1)
-        cls = b.allowed.get(name)
-        return plain if cls is None else cls(plain)
-    raise b.bad(f"unknown node kind {t[:40]!r}")
+
+def _decode_path(b: Any, t: str, node: dict[str, Any], depth: int) -> Any:
+    _fields(b, node, ("type", "v"))
+    cls = _PATHS.get(_str(b, node["type"]))
+    if cls is None:
+        raise b.bad(f"unknown path type {node['type'][:40]!r}")
+    # A concrete path of the other OS cannot be instantiated here: its pure counterpart can.
+    if cls is pathlib.WindowsPath and os.name != "nt":
+        cls = pathlib.PureWindowsPath
+    elif cls is pathlib.PosixPath and os.name == "nt":
+        cls = pathlib.PurePosixPath
+    return cls(_str(b, node["v"]))
+
+
+def _decode_time(b: Any, t: str, node: dict[str, Any], depth: int) -> Any:
+    _fields(b, node, ("v",), ("fold",) if t != "date" else ())
+    text = _str(b, node["v"])
+    if len(text) > MAX_ISO:
+        raise b.bad(f"a {t} of {len(text)} characters")
+    value = _TIME_TYPES[t].fromisoformat(text)
+    if value.isoformat() != text:  # only the form isoformat() writes
+        raise b.bad(f"{text!r} is not a {t} in the form isoformat() writes")
+    if "fold" in node:
+        if node["fold"] != 1 or type(node["fold"]) is not int:
+            raise b.bad("fold is not 1")
+        value = value.replace(fold=1)
+    return value
+
+
+def _decode_timedelta(b: Any, t: str, node: dict[str, Any], depth: int) -> Any:
+    _fields(b, node, ("days", "seconds", "microseconds"))
+    parts = [node["days"], node["seconds"], node["microseconds"]]
+    if any(type(n) is not int for n in parts):
+        raise b.bad("timedelta fields are not ints")
+    value = dt.timedelta(days=parts[0], seconds=parts[1], microseconds=parts[2])
+    if [value.days, value.seconds, value.microseconds] != parts:
+        raise b.bad(f"timedelta fields {parts} are not normalized "
+                    "(0 <= seconds < 86400, 0 <= microseconds < 10**6)")
+    return value
+
+
+def _decode_set(b: Any, t: str, node: dict[str, Any], depth: int) -> Any:
+    _fields(b, node, ("items",))
+    items = [b.build(v, depth + 1) for v in _list(b, node["items"])]
+    return set(items) if t == "set" else frozenset(items)  # TypeError (unhashable) -> CorruptCut
+
+
+def _decode_enum(b: Any, t: str, node: dict[str, Any], depth: int) -> Any:
+    _fields(b, node, ("type", "name", "value"))
+    name = _qualname(b, node)
+    member = node["name"]
+    if member is not None:
+        _str(b, member)
+    value = b.build(node["value"], depth + 1)
+    cls = b.allowed.get(name)
+    return value if cls is None else _member(b, cls, name, member, value)
+
+
+def _decode_class(b: Any, t: str, node: dict[str, Any], depth: int) -> Any:
+    _fields(b, node, ("type",))
+    name = _qualname(b, node)
+    builtin = getattr(builtins, name[len("builtins."):], None) if name.startswith("builtins.") else None
+    if isinstance(builtin, type):
+        return builtin  # int, float, dict...: there without importing anything
+    return b.allowed.get(name, name)
+
+
+def _decode_record(b: Any, t: str, node: dict[str, Any], depth: int) -> Any:
+    """A dataclass, namedtuple or Namespace node: named fields, one item each."""
+    _fields(b, node, ("fields", "items") if t == "namespace" else ("type", "fields", "items"))
+    name = _qualname(b, node) if t != "namespace" else ""
+    names = _list(b, node["fields"])
+    items = _list(b, node["items"])
+    if any(type(n) is not str for n in names) or len(set(names)) != len(names) or len(names) != len(items):
+        raise b.bad("fields are not distinct strs, one per item")
+    values = [b.build(v, depth + 1) for v in items]
+    if t == "namespace":
+        import argparse  # noqa: PLC0415 - only for cuts that hold one
+
+        return argparse.Namespace(**dict(zip(names, values)))
+    cls = b.allowed.get(name)
+    if cls is None:
+        return dict(zip(names, values)) if t == "dataclass" else tuple(values)
+    return _dataclass(b, cls, name, names, values) if t == "dataclass" else _namedtuple(b, cls, name, names, values)
+
+
+def _decode_omegaconf(b: Any, t: str, node: dict[str, Any], depth: int) -> Any:
+    _fields(b, node, ("type", "value"))
+    name = _qualname(b, node)
+    inner = node["value"]
+    if name not in _OMEGACONF or type(inner) is not dict or inner.get("t") != _OMEGACONF[name]:
+        raise b.bad(f"an omegaconf node of type {name[:60]!r} holds no {_OMEGACONF.get(name, 'dict or list')} node")
+    plain = b.build(inner, depth + 1)
+    cls = b.allowed.get(name)
+    return plain if cls is None else cls(plain)
+
+
+_DECODERS: dict[str, Callable[[Any, str, dict[str, Any], int], Any]] = {
+    "path": _decode_path, "date": _decode_time, "time": _decode_time, "datetime": _decode_time,
+    "timedelta": _decode_timedelta, "set": _decode_set, "frozenset": _decode_set, "enum": _decode_enum,
+    "class": _decode_class, "dataclass": _decode_record, "namedtuple": _decode_record,
+    "namespace": _decode_record, "omegaconf": _decode_omegaconf,
+}
+#: The node kinds this module encodes and decodes: those of ``_DECODERS``, so the two cannot drift.
+VALUE_KINDS = frozenset(_DECODERS)
 
 
 def _fields(b: Any, node: dict[str, Any], required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
