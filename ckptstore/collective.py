@@ -116,13 +116,18 @@ class Collective:
 
 
     def gather(self, key: str, local: Callable[[], Any], coordinator: Callable[[], T], *,
-               share: Callable[[T], Any] = lambda r: r, receive: Callable[[Any], T] = lambda v: v,
-               doing: str, note: Callable[[], str | None] = lambda: None) -> T:
-        """``local`` on every rank, then ``coordinator`` on rank 0 if every ``local`` succeeded; returns
-        its result on every rank or raises on every rank (see the module docstring). ``key`` names the
-        posts (a cut id); ``note`` as in :meth:`coordinate`."""
+               first: Callable[[], Any] | None = None, share: Callable[[T], Any] = lambda r: r,
+               receive: Callable[[Any], T] = lambda v: v, doing: str,
+               note: Callable[[], str | None] = lambda: None) -> T:
+        """``first`` on rank 0 (if given) before ``local`` on any rank, then ``local`` on every rank,
+        then ``coordinator`` on rank 0 if every ``local`` succeeded; returns its result on every rank
+        or raises on every rank (see the module docstring). ``key`` names the posts (a cut id);
+        ``note`` as in :meth:`coordinate`. ``first`` is the cut's mark: no rank writes a shard of a
+        cut before rank 0 marked it (issue 20)."""
         err: BaseException | None = None
         try:
+            if first is not None:
+                self._first(key, first, doing)
             local()
         except BaseException as exc:  # noqa: BLE001 - rank 0 hears of it in the posts
             err = exc
@@ -138,6 +143,29 @@ class Collective:
             return self._coordinate_posts(key, err, coordinator, share, doing, note)
         return self._await_outcome(key, err, receive, doing)
 
+    def _first(self, key: str, first: Callable[[], Any], doing: str) -> None:
+        """Rank 0 runs ``first`` and posts its outcome; every other rank waits for that post."""
+        if self.ranks is None:
+            first()
+            return
+        where = {**self.where, "cut": key}
+        if self.coordinator:
+            err: BaseException | None = None
+            try:
+                first()
+            except BaseException as exc:  # noqa: BLE001 - posted for the others, then raised here
+                err = exc
+            try:
+                self.ranks.post(f"begun/{key}", outcome(err))
+            except Exception:  # noqa: BLE001 - the others then find rank 0 silent
+                pass
+            if err is not None:
+                raise err
+            return
+        got = self.ranks.await_posts(f"begun/{key}", [0], f"rank 0's start of {doing}", **where)[0]
+        if not got["ok"]:
+            raise RankFailure(f"{doing} failed on rank 0 before any rank wrote: {got['error']}", ranks=[0], **where)
+
     def _coordinate_posts(self, key: str, err: BaseException | None, coordinator: Callable[[], T],
                           share: Callable[[T], Any], doing: str, note: Callable[[], str | None]) -> T:
         assert self.ranks is not None
@@ -152,7 +180,9 @@ class Collective:
             result = coordinator()
         except BaseException as exc:  # noqa: BLE001 - posted for the others, then raised here
             failure = exc
+        # Every rank posted "written" after reading "begun" (or after giving up on it): both go.
         self.ranks.forget_posts(f"written/{key}", range(self.size))
+        self.ranks.forget_posts(f"begun/{key}", [0])
         answer = {**outcome(failure), "note": note() if failure is not None else None,
                   "value": share(result) if failure is None else None}  # type: ignore[arg-type]
         try:
