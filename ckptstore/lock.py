@@ -29,28 +29,20 @@ import socket
 import stat
 import threading
 import time
-import uuid
 from typing import Any
 
 import filelock
 
 from . import layout
 from .errors import StorageError, StoreLocked, UsageError
-from .storage import ConditionFailed, Storage
 from .events import log
+from .lease import DEFAULT_LEASE_TTL_S, Lease, delete_lease_if, read_holder
 from .protocol import now_iso
+from .storage import ConditionFailed, Storage
 
-DEFAULT_LEASE_TTL_S = 30.0
-LAST_MODIFIED_RESOLUTION_S = 1.0
+__all__ = ["DEFAULT_LEASE_TTL_S", "DEFAULT_ORPHAN_WAIT_S", "InheritedLock", "Lease", "WriterLock", "orphaned_holder",
+           "read_holder"]
 
-
-def read_holder(storage: Storage, rel: str) -> dict[str, Any]:
-    """Who holds the lock, from ``WRITER.json`` or the lease object ({} when unreadable: advisory only)."""
-    try:
-        doc = json.loads(storage.read_bytes(rel))
-        return doc if isinstance(doc, dict) else {}
-    except Exception:  # noqa: BLE001 - the holder's identity is advisory only
-        return {}
 
 
 #: How long a writer open waits, by default, for the writer process of a dead trainer that still holds
@@ -80,6 +72,7 @@ class WriterLock:
         self.storage = storage
         self.orphan_wait_s = orphan_wait_s
         self._lock: filelock.BaseFileLock | None = None
+        self._fd: int | None = None  # the flocked descriptor, as filelock's on_acquired hands it over
         self._lease: Lease | None = None
         self.lease_ttl_s = lease_ttl_s
 
@@ -116,13 +109,9 @@ class WriterLock:
             if orphaned:
                 who += (f" (dead; its writer process is still finishing a cut after {self.orphan_wait_s:g} s)"
                         if deadline is not None else " (dead; its writer process is finishing a cut)")
-            raise StoreLocked(
-                f"another writer holds this store: {who}",
-                holder=holder,
-                store=self.storage.url,
-                path=layout.LOCK_FILE,
-                hint="stop that writer, or open the store read-only (Store.open(url, readonly=True))",
-            )
+            raise StoreLocked(f"another writer holds this store: {who}", holder=holder, store=self.storage.url,
+                              path=layout.LOCK_FILE,
+                              hint="stop that writer, or open the store read-only (Store.open(url, readonly=True))")
 
     def acquire(self) -> None:
         caps = self.storage.capabilities
@@ -135,14 +124,12 @@ class WriterLock:
             return
         path = self.storage.local_path(layout.LOCK_FILE)
         assert path is not None
-        _check_lock_file(path, self.storage.url)
-        lock = filelock.FileLock(path, timeout=0, is_singleton=False)
+        absent = _check_lock_file(path, self.storage.url)
         try:
-            self._flock(lock)
+            self._lock = self._native_or_soft(path, absent)
         except OSError as exc:
             raise StorageError.from_os_error(exc, "taking the writer lock", store=self.storage.url,
                                              path=layout.LOCK_FILE) from exc
-        self._lock = lock
         info = {"host": socket.gethostname(), "pid": os.getpid(), "since": now_iso()}
         try:
             self.storage.write_durably(layout.WRITER_FILE, json.dumps(info).encode())
@@ -166,29 +153,51 @@ class WriterLock:
             return {"kind": "lease", "token": self._lease.info["token"], "ttl_s": self._lease.ttl_s}
         return {"kind": "none"}
 
+    def _native_or_soft(self, path: str, absent: bool) -> filelock.BaseFileLock:
+        """The flock, its descriptor from filelock's public ``on_acquired`` hook (issue 20: it was read
+        from the private, thread-local ``_context``: None in any thread but the opener's). The hook is
+        for native locks only, so where flock is missing (ENOSYS) the lock is filelock's soft lock, as
+        before: while no lock file exists filelock probes first (a soft lock's marker goes on release)."""
+        plain = filelock.FileLock(path, timeout=0, is_singleton=False)
+        if absent:
+            self._flock(plain)
+            plain.release()
+        if not absent or os.path.lexists(path):
+            hooked = filelock.FileLock(path, timeout=0, is_singleton=False, on_acquired=self._held)
+            try:
+                self._flock(hooked)
+                return hooked
+            except OSError as exc:
+                if exc.errno != errno.ENOSYS:
+                    raise
+        self._flock(plain)  # no flock here: a soft lock (its marker, if another writer's, refuses us)
+        return plain
+
+    def _held(self, fd: int) -> None:
+        self._fd = fd
+
     def lock_fd(self) -> int | None:
-        """The descriptor of the flocked lock file (None without a flock)."""
-        if self._lock is None:
-            return None
-        return self._lock._context.lock_file_fd
+        """The descriptor of the flocked lock file, from any thread (None without a flock)."""
+        return self._fd if self._lock is not None else None
 
     def release(self) -> None:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+            self._fd = None
         if self._lease is not None:
             self._lease.release()
             self._lease = None
 
 
-def _check_lock_file(path: str, store: str) -> None:
+def _check_lock_file(path: str, store: str) -> bool:
     """Refuses a ``.writer.lock`` that is not a regular file: a directory made every writer open fail
     with a raw ``IsADirectoryError`` (issue 10, item 11), and filelock opens the lock file with
     ``O_TRUNC``, so a symlink planted there would have it truncate whatever the link points at."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
-        return  # filelock creates it
+        return True  # filelock creates it
     except OSError as exc:
         raise StorageError.from_os_error(exc, "checking the writer lock", store=store, path=layout.LOCK_FILE) from exc
     if not stat.S_ISREG(mode):
@@ -196,6 +205,7 @@ def _check_lock_file(path: str, store: str) -> None:
         raise UsageError(f"the writer lock file {layout.LOCK_FILE} is {what}, so no writer can lock this store",
                          store=store, path=layout.LOCK_FILE,
                          hint=f"move {path} aside (it is not ckptstore's), then open the store again")
+    return False
 
 
 class InheritedLock:
@@ -282,112 +292,4 @@ class InheritedLock:
                 pass
             self.fd = None
         if self.kind == "lease" and self.tag is not None and self.lost is None:
-            _delete_lease_if(self.storage, self.tag)
-
-
-class Lease:
-    """A renewed, conditionally written lease object on an object store (see the module docstring)."""
-
-    def __init__(self, storage: Storage, ttl_s: float) -> None:
-        if ttl_s <= 0:
-            raise ValueError("lease_ttl_s must be positive")
-        self.storage = storage
-        self.ttl_s = float(ttl_s)
-        self.tag = ""
-        self.lost = False
-        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "since": now_iso(),
-                     "ttl_s": self.ttl_s, "token": uuid.uuid4().hex}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._renewed_at = 0.0
-
-    def _doc(self) -> bytes:
-        return json.dumps({**self.info, "renewed_at": now_iso()}).encode()
-
-    def acquire(self) -> None:
-        # The clock starts before the PUT is sent: the object's LastModified is no earlier than this,
-        # so this writer gives the lease up no later than any contender may judge it expired.
-        started = time.monotonic()
-        try:
-            self.tag = self.storage.put_if_absent(layout.LEASE_FILE, self._doc())
-        except FileExistsError:
-            self._take_over_or_refuse()
-        self._renewed_at = started
-        self._thread = threading.Thread(target=self._renew_loop, name="ckptstore-lease", daemon=True)
-        self._thread.start()
-
-    def _take_over_or_refuse(self) -> None:
-        try:
-            tag, age = self.storage.version(layout.LEASE_FILE)
-        except StorageError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
-            # Released between our create and our look: try the create once more.
-            try:
-                self.tag = self.storage.put_if_absent(layout.LEASE_FILE, self._doc())
-                return
-            except FileExistsError:
-                raise self._locked({}, "another writer took the lease just now") from None
-        holder = read_holder(self.storage, layout.LEASE_FILE)
-        ttl = holder.get("ttl_s")
-        ttl = float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else self.ttl_s
-        # S3's LastModified has whole-second resolution (truncated), so the age read here can be up to
-        # a second too large: wait that second more, or a live holder could still be inside its ttl.
-        ttl += LAST_MODIFIED_RESOLUTION_S
-        if age <= ttl:
-            who = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}" if holder else "another writer"
-            raise self._locked(
-                holder, f"another writer holds this store's lease: {who}",
-                hint=(f"stop that writer; if it died, its lease expires {max(0.0, ttl - age):.0f} s from now "
-                      "(or open the store read-only: Store.open(url, readonly=True))"),
-            )
-        try:
-            self.tag = self.storage.put_if_match(layout.LEASE_FILE, self._doc(), tag)
-        except ConditionFailed:
-            raise self._locked(holder, "another writer took over the expired lease at the same time") from None
-
-    def _locked(self, holder: dict[str, Any], message: str, hint: str | None = None) -> StoreLocked:
-        return StoreLocked(message, holder=holder, store=self.storage.url, path=layout.LEASE_FILE,
-                           hint=hint or "stop that writer, or open the store read-only")
-
-    def _renew_loop(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
-            started = time.monotonic()
-            try:
-                self.tag = self.storage.put_if_match(layout.LEASE_FILE, self._doc(), self.tag)
-                self._renewed_at = started
-            except ConditionFailed:
-                self.lost = True  # someone took over: this writer must not touch the store again
-                return
-            except Exception:  # noqa: BLE001 - a transient network error: retry until the ttl runs out
-                if time.monotonic() - self._renewed_at > self.ttl_s:
-                    self.lost = True
-                    return
-
-    def ensure_held(self) -> None:
-        if self.lost or time.monotonic() - self._renewed_at > self.ttl_s:
-            self.lost = True
-            raise StoreLocked(
-                "this writer lost its lease on the store (it was not renewed within the ttl, and another "
-                "writer may have taken over); nothing more is committed or deleted by this handle",
-                holder=read_holder(self.storage, layout.LEASE_FILE), store=self.storage.url, path=layout.LEASE_FILE,
-                hint="reopen the store as its writer once the other writer is gone",
-            )
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.ttl_s)
-        if self.lost:
-            return
-        _delete_lease_if(self.storage, self.tag)
-
-
-def _delete_lease_if(storage: Storage, tag: str) -> None:
-    """Gives the lease up when it is still the version ``tag`` this process wrote last."""
-    try:
-        current, _ = storage.version(layout.LEASE_FILE)
-        if current == tag:
-            storage.delete(layout.LEASE_FILE, durable=False)
-    except Exception:  # noqa: BLE001 - an unreleased lease only expires after the ttl
-        pass
+            delete_lease_if(self.storage, self.tag)

@@ -161,7 +161,7 @@ def _check_file(storage: Storage, m: Manifest, rec: FileRecord, rel: str, progre
         # Each byte hashed once: every array's range of the mapped file, then the file digest of
         # the bytes before the data section and the array digests. Hashes before structure, so
         # damage anywhere (header included) is a hash-mismatch with both digests named.
-        digests, got = local_digests_v2(local, rec, tensors, where)
+        digests, got = local_digests_v2(storage, rel, rec, tensors, where)
         if progress is not None:
             progress(size)
         for t, d in digests:

@@ -1,9 +1,9 @@
 """The storage seam: backends the store reaches bytes through, chosen from a URL by a registry.
 
-* :mod:`.base`: the interface (:class:`Storage`, :class:`Sink`, :class:`Entry`), what a backend can do
-  (:class:`Capabilities`) and how another process reaches it (:class:`StorageSpec`).
+* :mod:`.base`: the interface (:class:`Storage`, :class:`Sink`, :class:`Entry`, :class:`MappedFile`),
+  what a backend can do (:class:`Capabilities`) and how another process reaches it (:class:`StorageSpec`).
 * :mod:`.posix`: local directories (temp file, fsync, rename, directory fsync); :mod:`.sink` its
-  O_DIRECT shard sink.
+  O_DIRECT shard sink, which fills page-aligned buffers of :mod:`.buffers`.
 * :mod:`.objects`: every other fsspec file system (S3, GCS, memory): one PUT per object, no rename.
 
 ``open_storage(url)`` looks the URL's protocol up in the registry (``register_backend``); a plain path
@@ -18,7 +18,7 @@ from typing import Any, Callable
 import fsspec
 
 from ..errors import UsageError
-from .base import Capabilities, ConditionFailed, Entry, Sink, Storage, StorageSpec
+from .base import Capabilities, ConditionFailed, Entry, MappedFile, Sink, Storage, StorageSpec
 from .objects import ObjectStorage
 from .posix import PosixStorage
 from .sink import PosixSink, buffer_address
@@ -80,6 +80,6 @@ def open_spec(spec: StorageSpec) -> Storage:
 
 
 __all__ = [
-    "Capabilities", "ConditionFailed", "Entry", "Sink", "Storage", "StorageSpec", "ObjectStorage",
+    "Capabilities", "ConditionFailed", "Entry", "MappedFile", "Sink", "Storage", "StorageSpec", "ObjectStorage",
     "PosixStorage", "PosixSink", "buffer_address", "open_storage", "open_spec", "register_backend", "store_url",
 ]

@@ -11,7 +11,8 @@ Callers use them in this order for one cut (see :mod:`ckptstore.protocol`)::
     delete(mark)                           # durable removal (directory fsync)
 
 and for reading: ``read_bytes``, ``open_reader`` (streaming ``readinto``), ``read_range``, ``list_dir``,
-``size``, ``exists``; for pruning and gc: ``delete`` and ``remove_dir``.
+``size``, ``exists``, ``map_file`` (local backends: a shard mapped for hashing); for pruning and gc:
+``delete`` and ``remove_dir``. The store opens no file past these verbs (issue 20).
 
 A backend states what it can do once, in :class:`Capabilities`; callers branch on those flags, never on
 a backend's class.
@@ -20,6 +21,7 @@ a backend's class.
 from __future__ import annotations
 
 import json
+import mmap
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -96,6 +98,29 @@ class Sink(ABC):
         """Drops the partial file; never raises."""
 
 
+class MappedFile:
+    """A whole file mapped read-only (:meth:`Storage.map_file`): ``view`` its bytes, ``size`` its length
+    when it was opened. Slices taken of ``view`` must be released before ``close`` (a mapping refuses
+    to close while a view of it is exported). A read error of the disk under a mapping is a SIGBUS,
+    not an exception: map only where the bytes are read once, to hash them."""
+
+    def __init__(self, mapping: mmap.mmap | None, size: int) -> None:
+        self._map = mapping
+        self.size = size
+        self.view = memoryview(mapping) if mapping is not None else memoryview(b"")
+
+    def close(self) -> None:
+        self.view.release()
+        if self._map is not None:
+            self._map.close()
+
+    def __enter__(self) -> "MappedFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class ConditionFailed(Exception):
     """A conditional write lost: the object changed (or vanished) since the tag was read."""
 
@@ -129,7 +154,10 @@ class Storage(ABC):
 
     @abstractmethod
     def open_reader(self, rel: str) -> BinaryIO:
-        """A raw binary reader with ``readinto`` for streaming reads."""
+        """A binary reader with ``readinto`` for streaming reads, buffered where each small read would
+        cost a system call. Where the open itself tells the file's length (``fstat`` on POSIX, the
+        HEAD of an fsspec file), the reader carries it as an int ``size``; callers ask ``size(rel)``
+        otherwise."""
 
     @abstractmethod
     def size(self, rel: str) -> int: ...
@@ -162,6 +190,13 @@ class Storage(ABC):
     def local_path(self, rel: str) -> str | None:
         """The OS path of ``rel`` where ``capabilities.local_paths``, else None."""
         return None
+
+    def map_file(self, rel: str) -> MappedFile:
+        """The regular file ``rel`` mapped read-only, where ``capabilities.local_paths`` (verify hashes
+        each array's byte range of it on every core). Raises as ``open_reader`` does (a name that is
+        not a regular file is ``NotAFile``). Backends without local files raise NotImplementedError:
+        stream the file through ``open_reader`` instead."""
+        raise NotImplementedError(f"{type(self).__name__} cannot map files; read them with open_reader")
 
     # Conditional writes (``capabilities.conditional_writes``): the writer lease (``ckptstore.lock``)
     # and the compare-and-swap of LATEST. Backends without them raise NotImplementedError.

@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 import fsspec
 
 from .base import Capabilities, ConditionFailed, Entry, Sink, Storage, StorageSpec
-from .sink import CHUNK
+from .buffers import CHUNK
 
 #: fsspec protocols whose PUTs take If-None-Match / If-Match (s3fs passes them through).
 CONDITIONAL_PROTOCOLS = frozenset({"s3", "s3a"})

@@ -1,23 +1,26 @@
 """The O_DIRECT shard sink of POSIX storage: two page-aligned buffers, writes overlapped with hashing,
-and zero-copy writes straight from page-aligned caller memory (see :class:`PosixSink`)."""
+and zero-copy writes straight from page-aligned caller memory (see :class:`PosixSink`).
+
+The sink reaches its storage only through :class:`SinkHost`, the public face ``PosixStorage`` offers
+it, and takes its buffers from a :class:`~.buffers.BufferPool` (issue 20: it used to drive the
+storage's private members while ``posix.py`` imported the sink's private buffer class).
+"""
 
 from __future__ import annotations
 
 import ctypes
 import errno
 import fcntl
-import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .base import Sink
+from ..errors import StorageError
+from .base import Sink, cut_of
+from .buffers import ALIGN, CHUNK, BufferPool
 
-if TYPE_CHECKING:
-    from .posix import PosixStorage
+__all__ = ["ALIGN", "CHUNK", "PosixSink", "SinkHost", "buffer_address"]
 
-ALIGN = 4096
-CHUNK = 8 << 20
 _ZERO_COPY_MIN = 64 << 10  # below this, copying into the staging buffer is cheaper than an extra write
 
 
@@ -29,15 +32,15 @@ def buffer_address(view: memoryview) -> int | None:
         return None
 
 
+class SinkHost(Protocol):
+    """What a :class:`PosixSink` needs of its storage. ``use_direct``: whether new files try O_DIRECT;
+    a sink clears it when the file system refuses O_DIRECT, so later files skip the attempt."""
 
-class _AlignedBuffer:
-    """A page-aligned anonymous mapping, reused for every chunk of every shard (first touch of fresh
-    memory is slow on this VM class, so it is allocated once per storage and kept)."""
+    url: str
+    use_direct: bool
+    buffers: BufferPool
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.map = mmap.mmap(-1, size)
-        self.view = memoryview(self.map)
+    def local_path(self, rel: str) -> str | None: ...
 
 
 class PosixSink(Sink):
@@ -55,10 +58,12 @@ class PosixSink(Sink):
     Should the kernel refuse an aligned O_DIRECT write (EINVAL), the file drops O_DIRECT and carries on
     through the page cache: slower, never wrong."""
 
-    def __init__(self, storage: "PosixStorage", rel: str) -> None:
+    def __init__(self, storage: SinkHost, rel: str) -> None:
         self._storage = storage
         self._rel = rel
-        self._path = storage._abs(rel)
+        path = storage.local_path(rel)
+        assert path is not None, "a PosixSink writes to local paths only"
+        self._path = path
         self._length = 0
         self._fill = 0
         self._fd = -1
@@ -79,8 +84,8 @@ class PosixSink(Sink):
             if self._fd < 0:
                 self._fd = os.open(self._path, flags, 0o644)
         except OSError as exc:
-            raise storage._error(exc, "creating shard", rel) from exc
-        self._bufs = [storage._buffer(), storage._buffer()] if self._direct else []
+            raise self._error(exc, "creating shard") from exc
+        self._bufs = [storage.buffers.take(), storage.buffers.take()] if self._direct else []
         self._cur = 0
 
     def write(self, data: memoryview | bytes) -> None:
@@ -109,7 +114,11 @@ class PosixSink(Sink):
                 if self._fill == buf.size:
                     self._submit(self._fill)
         except OSError as exc:
-            raise self._storage._error(exc, "writing shard", self._rel) from exc
+            raise self._error(exc, "writing shard") from exc
+
+    def _error(self, exc: OSError, action: str) -> StorageError:
+        """The error a storage verb raises for ``exc`` (as ``Storage``'s own), naming store, cut and file."""
+        return StorageError.from_os_error(exc, action, store=self._storage.url, cut=cut_of(self._rel), path=self._rel)
 
     def _zero_copy_len(self, mv: memoryview) -> int:
         """How many leading bytes of ``mv`` can go to the disk from the caller's memory: a multiple of
@@ -173,7 +182,7 @@ class PosixSink(Sink):
             os.fsync(self._fd)
         except OSError as exc:
             self.abort()
-            raise self._storage._error(exc, "writing shard", self._rel) from exc
+            raise self._error(exc, "writing shard") from exc
         self._release()
         os.close(self._fd)
         self._fd = -1
@@ -187,7 +196,7 @@ class PosixSink(Sink):
             self._pool.shutdown(wait=True)
             self._pool = None
         for buf in self._bufs:
-            self._storage._give_back(buf)
+            self._storage.buffers.give_back(buf)
         self._bufs = []
 
     def abort(self) -> None:

@@ -3,14 +3,15 @@
 It wraps a real backend (a :class:`PosixStorage` on a tmp dir in the fault sweep) and records, while its
 :class:`FaultPlan` is recording, every call of every storage verb with the verb's name and the
 store-relative path: the verbs of the seam (``write_durably``, ``open_sink``, ``read_bytes``,
-``read_range``, ``open_reader``, ``size``, ``exists``, ``list_dir``, ``make_dir``, ``delete``,
+``read_range``, ``open_reader``, ``map_file``, ``size``, ``exists``, ``list_dir``, ``make_dir``, ``delete``,
 ``remove_dir``, ``sync_dir``, the conditional verbs, and any public verb the interface gains later),
 and the calls on the objects they return (``sink.write``/``sink.close`` on a shard sink,
 ``reader.readinto``/``reader.read``/... on a reader). Call number ``fail_at`` (0-based, counted from
 when recording starts) fails once; every later call works again.
 
 Direct I/O that bypasses the seam: where the backend has local paths the store opens files itself
-(``verify``'s mmap hashing of a shard, the writer lock's flock on ``.writer.lock``). :func:`direct_io`
+(the writer lock's flock on ``.writer.lock``; verify's mmap hashing of a shard goes through
+``map_file`` since issue 20, and is counted as that verb). :func:`direct_io`
 intercepts that too: while it is active and the plan records, every ``os.open`` and built-in ``open``
 of a path under the store root that does not come from inside a wrapped storage call is counted as
 ``direct-open`` and can fail, at the very call the library makes.
@@ -66,6 +67,7 @@ ACTIONS = {
     "read_bytes": "reading",
     "read_range": "reading",
     "open_reader": "opening",
+    "map_file": "mapping",
     "size": "stat",
     "exists": "stat",
     "list_dir": "listing",

@@ -4,10 +4,13 @@ flock), only leftovers that the next writer recovers."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,9 @@ from crashkit import (  # noqa: E402
 )
 
 import ckptstore  # noqa: E402
-from ckptstore import Store, StoreLocked, StoreOptions  # noqa: E402
+from ckptstore import Store, StoreLocked, StoreOptions, layout  # noqa: E402
+from ckptstore.lock import WriterLock  # noqa: E402
+from ckptstore.storage import PosixStorage  # noqa: E402
 
 WAIT = 60
 
@@ -138,3 +143,51 @@ def test_two_writer_opens_in_one_process(tmp_path: Path) -> None:
         assert again.latest().step == 1
         with pytest.raises(StoreLocked):
             Store.open(url)
+
+
+def test_the_lock_descriptor_is_handed_over_from_any_thread(tmp_path: Path) -> None:
+    """issue 20: ``lock_fd`` read filelock's private, thread-local context, so asked from another thread
+    (the commit thread respawning a dead writer process) it answered None and the new writer process
+    inherited no flock. The descriptor now comes from filelock's public ``on_acquired`` hook."""
+    lock = WriterLock(PosixStorage(str(tmp_path)))
+    lock.acquire()
+    try:
+        fd = lock.lock_fd()
+        seen: list[int | None] = []
+        helper = threading.Thread(target=lambda: seen.append(lock.lock_fd()))
+        helper.start()
+        helper.join(timeout=WAIT)
+        assert fd is not None and seen == [fd]
+        path = tmp_path / layout.LOCK_FILE
+        assert os.fstat(fd).st_ino == os.stat(path).st_ino
+        other = os.open(path, os.O_RDONLY)
+        try:  # the descriptor is the one holding the flock: another open file of it cannot take it
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+    finally:
+        lock.release()
+    assert lock.lock_fd() is None
+
+
+def test_a_file_system_without_flock_still_gets_a_soft_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 20: filelock hands the descriptor over (``on_acquired``) for native locks only. Where flock is
+    missing (ENOSYS, some FUSE mounts) the writer lock stays filelock's soft lock, as before: a second
+    writer is refused, and there is no descriptor for a helper to inherit."""
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    url = str(tmp_path / "store")
+    with pytest.warns(UserWarning, match="flock"):
+        first = Store.open(url, create=True)
+    try:
+        assert first.lock_handoff()[1] is None
+        with pytest.raises(StoreLocked):
+            Store.open(url)
+        first.save(state_for(1), step=1)
+    finally:
+        first.close()
+    with Store.open(url) as again:  # closing released the soft lock
+        assert again.latest().step == 1

@@ -1,0 +1,110 @@
+"""Checking a shard against its manifest records (issue 20: split from ``shards.py``): the order of
+its arrays, their digests, its v2 file digest and its header, and the digests of a shard the storage
+maps (``local_digests_v2``, verify's fast path). Pure but for that one verb, no torch anywhere.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Iterable, Sequence
+
+from . import hashing
+from .errors import CorruptCut, HashMismatch, MissingFile, StorageError, TruncatedFile
+from .format import ShardHeader, header_dtype
+from .manifest import FileRecord, TensorRecord
+from .storage import Storage
+
+
+def check_missing(exc: StorageError, where: dict) -> None:
+    """A file the manifest lists that the storage cannot find is damage to the cut (MissingFile, a
+    DataError launchers fall back from), not the file system refusing (StorageError)."""
+    if exc.errno == errno.ENOENT or isinstance(exc.__cause__, FileNotFoundError):
+        raise MissingFile("a file the manifest lists is missing", **where) from exc
+
+
+def file_order_key(t: TensorRecord) -> tuple[int, int]:
+    """The order of a shard's arrays in its data section, from the manifest: ascending offset; a
+    zero-size array comes before the array that starts where it sits (all of a file's zero-size arrays
+    at one offset have identical v2 digest entries, so their order among themselves does not matter)."""
+    return (t.offset, t.nbytes)
+
+
+def check_tensor_digests(digests: Iterable[tuple[TensorRecord, bytes]], where: dict) -> None:
+    """Each array's blake3 against its manifest record; the error names the first array that differs."""
+    for t, d in digests:
+        got = d.hex()
+        if got != t.blake3:
+            raise HashMismatch(f"tensor {t.name!r}: blake3 mismatch, expected {t.blake3}, found {got}", **where)
+
+
+def check_file_digest_v2(record: FileRecord, got: str, where: dict) -> None:
+    """A v2 file digest against the record: ``raw_blake3``, and ``blake3`` too when stored bytes are
+    raw bytes (codec "none")."""
+    for expected in (record.raw_blake3, record.blake3) if record.codec == "none" else (record.raw_blake3,):
+        if got != expected:
+            raise HashMismatch(f"blake3 mismatch: expected {expected}, found {got}", **where)
+
+
+def check_header_matches(header: ShardHeader, tensors: Iterable[TensorRecord], where: dict) -> None:
+    """The shard's own header must agree with the manifest about every array it holds."""
+    by_name = {e.name: e for e in header.entries}
+    expected = list(tensors)
+    if set(by_name) != {t.name for t in expected}:
+        raise CorruptCut("shard header and manifest list different tensors", **where)
+    for t in expected:
+        e = by_name[t.name]
+        if e.begin != t.offset or e.end - e.begin != t.nbytes:
+            raise CorruptCut(
+                f"tensor {t.name!r}: header offsets [{e.begin}, {e.end}) disagree with manifest "
+                f"offset {t.offset} nbytes {t.nbytes}",
+                **where,
+            )
+        st_dtype, st_shape = header_dtype(t.kind, t.dtype, tuple(t.shape), t.nbytes)
+        if e.dtype != st_dtype or list(e.shape) != st_shape:
+            raise CorruptCut(f"tensor {t.name!r}: header dtype/shape disagree with manifest", **where)
+
+
+def local_digests_v2(
+    storage: Storage, rel: str, record: FileRecord, tensors: Sequence[TensorRecord], where: dict
+) -> tuple[list[tuple[TensorRecord, bytes]], str]:
+    """Format v2 digests of the uncompressed shard ``rel``, laid out as the manifest records it
+    (``verify``'s fast path, where the storage maps files: ``Storage.map_file``): each array's blake3
+    over its byte range of the mapped file (big ones on every core), and the file digest of the bytes
+    before the data section plus those. The header is not decoded first, so damage anywhere shows as a
+    digest mismatch; the caller checks the header's structure afterwards. Raises CorruptCut when the
+    records do not tile a data section that ends at ``raw_nbytes``, TruncatedFile when the file is not
+    ``raw_nbytes`` long, MissingFile when it is gone, NotAFile when something else stands there."""
+    ordered = sorted(tensors, key=file_order_key)
+    end = 0
+    for t in ordered:
+        if t.offset != end:
+            raise CorruptCut(f"tensor {t.name!r}: manifest offset {t.offset} leaves a gap or overlap at {end}", **where)
+        end += t.nbytes
+    data_start = record.raw_nbytes - end
+    if data_start < 8:
+        raise CorruptCut(f"manifest records {end} data bytes in a {record.raw_nbytes}-byte shard", **where)
+    try:
+        mapped = storage.map_file(rel)  # a NotAFile (issue 19 item 12) passes as it is: damage, not I/O
+    except StorageError as exc:
+        check_missing(exc, where)
+        raise
+    with mapped:
+        if mapped.size != record.raw_nbytes:
+            cls = TruncatedFile if mapped.size < record.raw_nbytes else CorruptCut
+            raise cls(f"expected {record.raw_nbytes} bytes, found {mapped.size}", **where)
+        digests = _hash_ranges(mapped.view, data_start, ordered)
+        with mapped.view[:data_start] as head:
+            header = bytes(head)
+    return digests, hashing.file_digest_v2(header, [(t.nbytes, d) for t, d in digests])
+
+
+def _hash_ranges(view: memoryview, data_start: int, ordered: Sequence[TensorRecord]) -> list[tuple[TensorRecord, bytes]]:
+    # Each slice is released before the next: the mapping refuses to close while one is exported.
+    out = []
+    for t in ordered:
+        h = hashing.new_hasher(threads=hashing.AUTO if t.nbytes >= hashing.SMALL else 1)
+        start = data_start + t.offset
+        with view[start : start + t.nbytes] as part:
+            h.update(part)
+        out.append((t, h.digest()))
+    return out

@@ -1,0 +1,340 @@
+"""Reading shard files back, hashing while the bytes pass, with no torch anywhere (the read side of what
+``ckptstore.shards`` names; the write side is :mod:`ckptstore.shardwrite`, issue 20).
+
+``read_shard_into`` streams a shard back into caller-provided buffers, checking the header against the
+manifest and every hash on the way (each byte hashed once); ``read_header`` and ``read_tensor_range``
+serve partial loads. The checks themselves are :mod:`ckptstore.shardcheck`'s. Every byte comes through
+a storage verb (``open_reader``, ``read_range``, ``size``; no branch opens a file itself), so the fault
+sweep sees each read.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, BinaryIO, Callable, Protocol, Sequence
+
+import zstandard
+
+from . import hashing, layout
+from .errors import CorruptCut, HashMismatch, StorageError, TruncatedFile
+from .format import ShardHeader, decode_header
+from .manifest import FileRecord, TensorRecord
+from .shardcheck import check_file_digest_v2, check_header_matches, check_missing, check_tensor_digests, file_order_key
+from .shardwrite import PIECE
+from .storage import Storage
+
+#: The largest zstd window a reader accepts (libzstd's default limit, stated): the writer's levels use
+#: at most this, and a hostile frame asking for more is refused instead of sizing memory by it.
+MAX_ZSTD_WINDOW = 1 << 27
+
+
+class _RawStream:
+    """The raw (safetensors) byte stream of a shard, hashing the stored bytes (``hash_stored``) and,
+    of a compressed file, the raw bytes (``hash_raw``) plainly as they pass: what format v1 records.
+    Format v2 hashes the stored bytes of a zstd file only; the raw bytes go to ``_TensorHashes``."""
+
+    def __init__(
+        self, storage: Storage, rel: str, record: FileRecord, where: dict, *, overlap: bool, hash_stored: bool,
+        hash_raw: bool,
+    ) -> None:
+        self.where = where
+        self.record = record
+        try:
+            self.file = storage.open_reader(rel)
+        except StorageError as exc:
+            check_missing(exc, where)
+            raise
+        self._check_size(storage, rel)
+        # The reader comes buffered from the storage where small reads would cost (POSIX: 1 MiB).
+        self.stored = hashing.HashingReader(self.file, overlap=overlap and record.codec == "none", hashed=hash_stored)
+        if record.codec == "zstd":
+            # Output is pulled in pieces no larger than the caller's buffers (the raw length the
+            # manifest records is the most ever asked for; ``finish`` refuses one byte more), and the
+            # window a frame may demand is capped at the 128 MiB the writer's levels stay within.
+            dctx = zstandard.ZstdDecompressor(max_window_size=MAX_ZSTD_WINDOW)
+            self.reader: BinaryIO = dctx.stream_reader(self.stored, read_across_frames=False)  # type: ignore[assignment]
+            self.raw = hashing.HashingReader(self.reader, hashed=hash_raw)
+        else:
+            self.reader = self.stored  # type: ignore[assignment]
+            self.raw = self.stored
+        self.pos = 0
+
+    def _check_size(self, storage: Storage, rel: str) -> None:
+        """The file's size against the manifest, before a byte is read or a buffer allocated for it: a
+        hostile record claiming a huge array is refused here (issue 10, item 9). The raw length was
+        checked against the stored one when the manifest was parsed (``manifest._check_arrays``)."""
+        try:
+            # The size the open itself gave (``Storage.open_reader``), else the storage's own answer.
+            size = getattr(self.file, "size", None)
+            if type(size) is not int:
+                size = storage.size(rel)
+        except OSError as exc:
+            self.file.close()
+            if isinstance(exc, StorageError):
+                raise
+            raise StorageError.from_os_error(exc, "sizing shard", **self.where) from exc
+        if size != self.record.nbytes:
+            self.file.close()
+            cls = TruncatedFile if size < self.record.nbytes else CorruptCut
+            raise cls(f"expected {self.record.nbytes} bytes, found {size}", **self.where)
+
+    def readinto_exact(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            try:
+                n = self.raw.readinto(view[done:])
+            except zstandard.ZstdError as exc:
+                raise CorruptCut(f"zstd stream is damaged: {exc}", **self.where) from None
+            except OSError as exc:
+                raise StorageError.from_os_error(exc, "reading shard", **self.where) from exc
+            if not n:
+                raise TruncatedFile(
+                    f"shard ended after {self.pos + done} raw bytes, manifest records {self.record.raw_nbytes}",
+                    **self.where,
+                )
+            done += n
+        self.pos += done
+
+    def read_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self.readinto_exact(memoryview(buf))
+        return bytes(buf)
+
+    def read_header(self) -> tuple[bytes, ShardHeader]:
+        """The header's bytes (length prefix, JSON, padding) and the header they decode to; a length
+        prefix past the file (or past 64 MiB) is not read, and the decoder refuses it."""
+        prefix = self.read_exact(8)
+        n = int.from_bytes(prefix, "little")
+        head_bytes = prefix + (self.read_exact(n) if n <= min(self.record.raw_nbytes - 8, 64 << 20) else b"")
+        return head_bytes, decode_header(lambda s, e: head_bytes[s:e], self.record.raw_nbytes, where=self.where)
+
+    def finish(self) -> None:
+        """Drains the rest of the file and checks lengths: a truncated frame or file can never pass,
+        since both the stored and the raw length must match. Digests are checked by the caller."""
+        try:
+            rest = self.raw.read(1)
+            if rest:
+                raise CorruptCut("shard has bytes past its recorded raw length", **self.where)
+            while self.stored.read(1 << 20):
+                pass
+        except zstandard.ZstdError as exc:
+            raise CorruptCut(f"zstd stream is damaged: {exc}", **self.where) from None
+        except OSError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise StorageError.from_os_error(exc, "reading shard", **self.where) from exc
+        finally:
+            self.stored.close()
+            self.raw.close()
+            self.file.close()
+        rec = self.record
+        if self.stored.count != rec.nbytes:
+            cls = TruncatedFile if self.stored.count < rec.nbytes else CorruptCut
+            raise cls(f"expected {rec.nbytes} bytes, found {self.stored.count}", **self.where)
+        if self.raw.count != rec.raw_nbytes:
+            raise TruncatedFile(f"decoded {self.raw.count} raw bytes, expected {rec.raw_nbytes}", **self.where)
+
+    def check_stored(self) -> None:
+        """The plain blake3 of the stored bytes against ``blake3`` (v1; v2 for zstd files)."""
+        got = self.stored.hexdigest()
+        if got != self.record.blake3:
+            raise HashMismatch(f"blake3 mismatch: expected {self.record.blake3}, found {got}", **self.where)
+
+    def check_raw_plain(self) -> None:
+        """v1, compressed files: the plain blake3 of the decoded bytes against ``raw_blake3``."""
+        got_raw = self.raw.hexdigest()
+        if got_raw != self.record.raw_blake3:
+            raise HashMismatch(f"raw blake3 mismatch: expected {self.record.raw_blake3}, found {got_raw}", **self.where)
+
+    def close(self) -> None:
+        for closer in (self.stored.close, self.raw.close, self.file.close):
+            try:
+                closer()
+            except Exception:  # noqa: BLE001 - closing after an error must not mask it
+                pass
+
+
+class _TensorHashes:
+    """Format v2 reads: each array's blake3, hashed once as its bytes are read. With ``overlap`` (the
+    caller never reuses a buffer), arrays of ``hashing.SMALL`` bytes or more are hashed on a helper
+    thread while the next piece is read; smaller ones inline (a hand-off per 4 KB array would cost more
+    than it saves)."""
+
+    def __init__(self, overlap: bool) -> None:
+        self._overlap = overlap
+        self._pool: ThreadPoolExecutor | None = None
+        self._updates: list[Future[None]] = []
+        self._done: list[tuple[TensorRecord, bytes | Future[bytes]]] = []
+        self._hasher: Any = None  # the current array's
+        self._pooled = False
+
+    def begin(self, t: TensorRecord) -> None:
+        self._hasher = hashing.new_hasher(threads=hashing.AUTO if t.nbytes >= hashing.SMALL else 1)
+        self._pooled = self._overlap and t.nbytes >= hashing.SMALL
+        if self._pooled and self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-hash")
+
+    def update(self, piece: memoryview) -> None:
+        if self._pooled:
+            assert self._pool is not None
+            self._updates.append(self._pool.submit(self._hasher.update, piece))
+        else:
+            self._hasher.update(piece)
+
+    def end(self, t: TensorRecord) -> None:
+        if self._pooled:
+            assert self._pool is not None
+            self._done.append((t, self._pool.submit(self._hasher.digest)))
+        else:
+            self._done.append((t, self._hasher.digest()))
+
+    def digests(self) -> list[tuple[TensorRecord, bytes]]:
+        """Every array's raw digest, in the order they were read; waits for the helper thread."""
+        self.close()
+        for f in self._updates:
+            f.result()
+        return [(t, d if isinstance(d, bytes) else d.result()) for t, d in self._done]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.shutdown(wait=True)
+
+
+class ArraySink(Protocol):
+    """Where :func:`read_shard_into` hands each array's bytes as they are read (unverified until it
+    returns)."""
+
+    def begin(self, t: TensorRecord) -> None: ...
+    def write(self, piece: memoryview) -> None: ...
+    def end(self, t: TensorRecord) -> None: ...
+
+
+def read_shard_into(
+    storage: Storage,
+    cut: str,
+    record: FileRecord,
+    tensors: Sequence[TensorRecord],
+    dest: Callable[[TensorRecord], memoryview | None],
+    *,
+    format_version: int,
+    verify: bool = True,
+    on_bytes: Callable[[int], None] | None = None,
+    reuses_buffers: bool = False,
+    sink: ArraySink | None = None,
+) -> None:
+    """Streams a whole shard, reading each array's bytes straight into ``dest(record)``; checks the
+    file's size, then the header against the manifest, the file's lengths and (with ``verify``) its
+    digests as the manifest's ``format_version`` defines them, hashed while reading (each byte once:
+    v2 hashes each array and builds the file digest from them; v1 hashes the file plainly). Hashing
+    overlaps the next read on a helper thread unless ``reuses_buffers`` says ``dest`` hands out the
+    same memory twice (then a chunk could change before it is hashed). ``dest`` returning None reads
+    that array through one reused buffer of at most ``PIECE`` bytes (verify: memory stays bounded
+    whatever the arrays' sizes); it needs ``reuses_buffers``. ``sink`` sees every array's bytes piece by
+    piece as they are read (``begin``, ``write`` of each piece, ``end``): its bytes are verified only
+    when this returns."""
+    rel = layout.cut_file(cut, record.name)
+    where = {"store": storage.url, "cut": cut, "path": rel}
+    v2 = format_version >= 2
+    overlap = verify and not reuses_buffers
+    # verify=False checks lengths and the header but no digest, so nothing is hashed at all.
+    stream = _RawStream(
+        storage, rel, record, where, overlap=overlap and not v2,
+        hash_stored=verify and (not v2 or record.codec != "none"), hash_raw=verify and not v2,
+    )
+    hashes = _TensorHashes(overlap) if verify and v2 else None
+    try:
+        head_bytes, header = stream.read_header()
+        ordered = sorted(tensors, key=file_order_key)
+        check_header_matches(header, ordered, where)
+        _read_arrays(stream, ordered, dest, reuses_buffers=reuses_buffers, hashes=hashes, sink=sink, on_bytes=on_bytes)
+        stream.finish()
+        _check_digests(stream, hashes, head_bytes, verify=verify)
+    except BaseException:
+        stream.close()
+        if hashes is not None:
+            hashes.close()
+        raise
+
+
+def _read_arrays(
+    stream: _RawStream, ordered: Sequence[TensorRecord], dest: Callable[[TensorRecord], memoryview | None], *,
+    reuses_buffers: bool, hashes: _TensorHashes | None, sink: ArraySink | None, on_bytes: Callable[[int], None] | None,
+) -> None:
+    """Each array's bytes, in file order, into ``dest(t)`` (or the one scratch buffer), piece by piece,
+    each piece handed to the hashes and the sink as soon as it is read."""
+    scratch: memoryview | None = None
+    for t in ordered:
+        view = dest(t)
+        if view is None:
+            if not reuses_buffers:
+                raise ValueError("dest returned no buffer; pass reuses_buffers=True")
+            if scratch is None:
+                scratch = memoryview(bytearray(min(PIECE, max(x.nbytes for x in ordered))))
+        if hashes is not None:
+            hashes.begin(t)
+        if sink is not None:
+            sink.begin(t)
+        for start in range(0, t.nbytes, PIECE):
+            piece = view[start : start + PIECE] if view is not None else scratch[: min(PIECE, t.nbytes - start)]  # type: ignore[index]
+            stream.readinto_exact(piece)
+            if hashes is not None:
+                hashes.update(piece)
+            if sink is not None:
+                sink.write(piece)
+            if on_bytes is not None:
+                on_bytes(len(piece))
+        if sink is not None:
+            sink.end(t)
+        if hashes is not None:
+            hashes.end(t)
+
+
+def _check_digests(stream: _RawStream, hashes: _TensorHashes | None, head_bytes: bytes, *, verify: bool) -> None:
+    """The digests as the manifest's format version defines them: v2 (``hashes``) every array's and
+    the file digest built from them, plus a zstd file's stored bytes; v1 the plain stored and raw."""
+    record, where = stream.record, stream.where
+    if hashes is not None:
+        digests = hashes.digests()
+        check_tensor_digests(digests, where)
+        got = hashing.file_digest_v2(head_bytes, [(t.nbytes, d) for t, d in digests])
+        check_file_digest_v2(record, got, where)
+        if record.codec != "none":
+            stream.check_stored()
+    elif verify:
+        stream.check_stored()
+        if record.codec != "none":
+            stream.check_raw_plain()
+
+
+def read_tensor_range(
+    storage: Storage, cut: str, record: FileRecord, header: ShardHeader, t: TensorRecord, view: memoryview,
+    *, verify: bool = True,
+) -> None:
+    """Reads one array of an uncompressed shard by byte range (partial loads) and checks its blake3."""
+    rel = layout.cut_file(cut, record.name)
+    where = {"store": storage.url, "cut": cut, "path": rel}
+    start = header.data_start + t.offset
+    data = storage.read_range(rel, start, start + t.nbytes)
+    if len(data) != t.nbytes:
+        raise TruncatedFile(f"tensor {t.name!r}: expected {t.nbytes} bytes, found {len(data)}", **where)
+    if verify:
+        got = hashing.digest(data)
+        if got != t.blake3:
+            raise HashMismatch(f"tensor {t.name!r}: blake3 mismatch, expected {t.blake3}, found {got}", **where)
+    view[:] = data
+
+
+def read_header(storage: Storage, cut: str, record: FileRecord) -> ShardHeader:
+    """The decoded header of an uncompressed shard (two small ranged reads)."""
+    rel = layout.cut_file(cut, record.name)
+    where = {"store": storage.url, "cut": cut, "path": rel}
+    try:
+        size = storage.size(rel)
+    except StorageError as exc:
+        check_missing(exc, where)
+        raise
+    if size != record.nbytes:
+        cls = TruncatedFile if size < record.nbytes else CorruptCut
+        raise cls(f"expected {record.nbytes} bytes, found {size}", **where)
+    return decode_header(lambda s, e: storage.read_range(rel, s, e), size, where=where)
