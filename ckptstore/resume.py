@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from .errors import CutNotFound, UsageError
 from .info import CutInfo
 from .ranks import RankFailure, check_all_ok, outcome
+from . import spi
 from .store import Store
 
 
@@ -132,10 +133,10 @@ def _group_size(group: Any) -> int:
 
 
 def _choose(store: Store, fallback: bool) -> tuple[CutInfo | None, dict[str, str]]:
-    latest = store.classify().latest
+    latest = spi.classify(store).latest
     info, skipped = store.choose(fallback=fallback)
     if info is not None and fallback and not store.readonly and (latest is None or latest.cut != info.id):
-        store.point_latest(info.id)
+        spi.point_latest(store, info.id)
     return info, skipped
 
 

@@ -11,7 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from .kinds import StrKind
+
 PINNED_TAG = "keep"
+
+
+class HardKeep(StrKind):
+    """Which hard rule keeps a cut (``hard_keeps``'s reasons, spelled as before): ``prune`` and
+    ``remove`` both apply these, so the rules live here once (issue 20)."""
+
+    LATEST = "LATEST target"
+    PINNED = f"tagged {PINNED_TAG!r}"
+    NEWER = "newer than the newest kept cut"
 
 
 class CutLike(Protocol):
@@ -94,16 +105,16 @@ class KeepFinal(Policy):
         return {c.id for c in cuts if c.final}
 
 
-def hard_keeps(cuts: Sequence[CutLike], policy_keeps: set[str], latest: str | None) -> dict[str, str]:
-    """The store's rules that no policy can override: id -> reason."""
-    out: dict[str, str] = {}
+def hard_keeps(cuts: Sequence[CutLike], policy_keeps: set[str], latest: str | None) -> dict[str, HardKeep]:
+    """The store's rules that no policy can override: id -> the rule (a ``str`` reason)."""
+    out: dict[str, HardKeep] = {}
     if latest is not None:
-        out[latest] = "LATEST target"
+        out[latest] = HardKeep.LATEST
     kept_steps = [c.step for c in cuts if c.id in policy_keeps or c.id in out]
     newest_kept = max(kept_steps) if kept_steps else None
     for c in cuts:
         if PINNED_TAG in c.tags:
-            out.setdefault(c.id, f"tagged {PINNED_TAG!r}")
+            out.setdefault(c.id, HardKeep.PINNED)
         if newest_kept is not None and c.step > newest_kept:
-            out.setdefault(c.id, "newer than the newest kept cut")
+            out.setdefault(c.id, HardKeep.NEWER)
     return out

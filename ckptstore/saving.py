@@ -13,39 +13,25 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 from .arrays import ArrayItem, describe
 from .attached import AttachedFile, FilesArg, close_sources, open_sources
 from .collective import Collective
+from .core import StoreCore
+from .cutting import begin_cut, group_rank_part
 from .errors import StorageError, UsageError
 from .info import CutInfo
 from .intent import CutIntent
 from .pending import PendingCut, RankPart
-from .events import Emitter
-from .options import StoreOptions
-from .ranks import RankGroup
 from .tree import flatten, has_pickle
 
 
-class Saver(Protocol):
-    """What a save needs of its store (``Store`` provides it; this module never imports store.py, so
-    the two form no import cycle, not even one for annotations)."""
-
-    url: str
-    ranks: RankGroup | None
-    options: StoreOptions
-    events: Emitter
-
-    def begin_cut(self, step: int, *, writer: str = ..., cut: str | None = ..., world_size: int = ...
-                  ) -> PendingCut: ...
-
-    def rank_part(self, cut: str, step: int) -> RankPart: ...
-
-
-def save(store: Saver, state: Any, *, step: int, tags: Sequence[str], final: bool,
+def save(store: StoreCore, state: Any, *, step: int, tags: Sequence[str], final: bool,
          metadata: dict[str, Any] | None, allow_pickle: bool, files: FilesArg | None) -> CutInfo:
-    """See :meth:`ckptstore.Store.save`."""
+    """See :meth:`ckptstore.Store.save`. ``store`` is the handle's core (:mod:`ckptstore.core`): this
+    module never imports store.py, so the two form no import cycle."""
+    store.require_writer("save", participant_ok=store.ranks is not None)
     c = Collective(store.ranks, store=store.url)
     rank = {"rank": c.rank, "world_size": c.size} if c.size > 1 else {}
     marks = [time.perf_counter()]  # start, prepared, written, committed
@@ -69,7 +55,7 @@ def save(store: Saver, state: Any, *, step: int, tags: Sequence[str], final: boo
     return info
 
 
-def _save(store: Saver, c: Collective, state: Any, *, step: int, tags: Sequence[str], final: bool,
+def _save(store: StoreCore, c: Collective, state: Any, *, step: int, tags: Sequence[str], final: bool,
           metadata: dict[str, Any] | None, allow_pickle: bool, files: FilesArg | None,
           marks: list[float]) -> CutInfo:
     def prepare() -> tuple[dict[str, Any], list[ArrayItem], bool, list[AttachedFile]]:
@@ -84,11 +70,12 @@ def _save(store: Saver, c: Collective, state: Any, *, step: int, tags: Sequence[
 
     def begin() -> str:
         nonlocal pending
-        pending = store.begin_cut(step, writer="store.save", world_size=c.size)
+        pending = begin_cut(store, step, writer="store.save", cut=None, world_size=c.size)
         return pending.id
 
     def write() -> None:
-        part: PendingCut | RankPart = pending if c.size == 1 else store.rank_part(cut, step)  # type: ignore[assignment]
+        part: PendingCut | RankPart = (pending if c.size == 1  # type: ignore[assignment]
+                                       else group_rank_part(store, cut, step))
         written, arrays = part.write(items)
         part.publish(written, arrays, intent.model_copy(update={"tree": tree, "pickled": pickled, "attached": attached}))
 

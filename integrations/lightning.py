@@ -48,7 +48,7 @@ from typing import Any, Iterable
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from ckptstore import CkptStoreError, CutInfo, Store, StoreOptions, UsageError
+from ckptstore import CkptStoreError, CutInfo, Store, StoreOptions, UsageError, spi
 from ckptstore.errors import StepConflict, StoreNotFound
 
 log = logging.getLogger("ckptstore.integrations.lightning")
@@ -183,7 +183,7 @@ class CkptStoreCheckpointIO(CheckpointIO):
                 hint="resume with trainer.fit(ckpt_path=...) from a checkpoint of this directory, "
                      "or give this fit a ModelCheckpoint dirpath of its own")
         log.info("ckptstore: %s continues from %s (step %d): LATEST moves back to it", store.url, info.id, info.step)
-        return store.point_latest(info.id)
+        return spi.point_latest(store, info.id)
 
     def _drop_if_unnamed(self, store: Store, cut: str) -> None:
         """Removes ``cut`` once no label names it (unless it is LATEST's or otherwise kept by the store)."""

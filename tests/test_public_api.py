@@ -74,3 +74,68 @@ def test_exceptions_form_one_tree() -> None:
         assert issubclass(data_error, ckptstore.DataError)
     for usage in (ckptstore.StepConflict, ckptstore.CutNotFound, ckptstore.StoreNotFound):
         assert issubclass(usage, ckptstore.UsageError) and not issubclass(usage, ckptstore.DataError)
+
+
+#: ``Store``'s public face is the user API only (issue 20): methods, and the read-only properties.
+STORE_METHODS = ["begin_cut", "choose", "close", "cuts", "gc", "label", "labels", "latest", "load", "manifest",
+                 "mark_final", "open", "prune", "remove", "repair", "restore_files", "save", "unlabel", "verify"]
+STORE_PROPERTIES = ["events", "options", "ranks", "readonly", "recovered", "role", "storage", "url"]
+
+#: What ``ckptstore.writer`` and ``ckptstore.integrations`` may use beyond the user API (issue 20).
+EXPECTED_SPI = ["CutIntent", "PendingCut", "RankPart", "ShardSpec", "classify", "lock_handoff",
+                "open_participant", "point_latest", "rank_part", "record_bad", "shard_codec", "shard_spec"]
+
+
+def test_store_public_face_is_the_user_api() -> None:
+    public = {n: v for n, v in vars(ckptstore.Store).items() if not n.startswith("_")}
+    assert sorted(n for n, v in public.items() if isinstance(v, property)) == STORE_PROPERTIES
+    assert sorted(n for n, v in public.items() if not isinstance(v, property)) == STORE_METHODS
+    for name in STORE_PROPERTIES:
+        assert getattr(ckptstore.Store, name).fset is None, f"Store.{name} is settable"
+
+
+def test_spi_all_is_pinned() -> None:
+    import ckptstore.spi as spi
+
+    assert spi.__all__ == EXPECTED_SPI
+    assert all(hasattr(spi, name) for name in spi.__all__)
+
+
+def test_the_moved_store_methods_still_work_for_one_release_and_warn(tmp_path) -> None:
+    """The old names of the plumbing are no methods of the class, yet work on a handle, each with a
+    DeprecationWarning naming its spi spelling, and give what spi gives."""
+    import warnings
+
+    import numpy as np
+    import pytest
+
+    import ckptstore.spi as spi
+
+    url = str(tmp_path / "store")
+    with ckptstore.Store.open(url, create=True) as store:
+        first = store.save({"a": np.arange(3)}, step=1)
+        store.save({"a": np.arange(4)}, step=2)
+        moved = ["lock_handoff", "rank_part", "rank_part_for", "shard_codec", "point_latest", "record_bad",
+                 "classify", "participant"]
+        assert not any(hasattr(ckptstore.Store, name) for name in moved)
+        for name in moved:
+            use = r"(ckptstore\.spi\.|store\.role)"
+            with pytest.warns(DeprecationWarning, match=rf"Store\.{name} is deprecated .*: use {use}"):
+                getattr(store, name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            assert store.shard_codec() == spi.shard_codec(store)
+            assert store.lock_handoff()[0] == spi.lock_handoff(store)[0]
+            assert store.classify().latest == spi.classify(store).latest
+            assert store.point_latest(first.id).id == first.id and store.latest().id == first.id
+            store.record_bad(first.id, "test")
+            assert first.id in spi.classify(store).bad
+            assert store.participant is False
+            pending = store.begin_cut(3, world_size=2)
+            with ckptstore.Store.open(url, readonly=True) as reader:  # DCP's ranks, until they switch to spi
+                assert reader.rank_part_for(pending.id, 3, 1, 2).rank == 1
+            pending.abandon()
+            with pytest.raises(ckptstore.UsageError, match="group="):
+                store.rank_part("x", 3)
+    with pytest.raises(AttributeError):
+        store.no_such_thing  # noqa: B018 - other names are still no attributes

@@ -8,12 +8,14 @@ import argparse
 import json
 from typing import Any
 
-from .. import layout
+from .. import layout, spi
 from ..errors import CutNotFound, UsageError
 from ..manifest import Manifest
 from ..retention import KeepEvery, KeepFinal, KeepLast, KeepTagged, Policy
 from ..selection import select_manifest
-from ..store import Store, leftover_json, open_for_repair, rank_manifest
+from ..collect import leftover_json
+from ..reading import rank_manifest
+from ..store import Store, open_for_repair
 from ..verify import VerifyReport
 from .exits import EXIT_OK, EXIT_PROBLEM
 from .render import CUT_HEADERS, Progress, cut_rows, dtype_label, emit, file_ranks, human_bytes, rank_counts, table
@@ -43,7 +45,7 @@ def _selector(s: str | None) -> str | int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     with Store.open(args.url, readonly=True) as store:
-        cls = store.classify()
+        cls = spi.classify(store)
         cuts = [cls.info(m) for m in cls.committed]
         latest = cls.latest.cut if cls.latest else None
         doc = {"store": store.url, "latest": latest, "latest_problem": cls.latest_problem,
@@ -60,7 +62,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     with Store.open(args.url, readonly=True) as store:
-        cls = store.classify()
+        cls = spi.classify(store)
         m = select_manifest(cls, _selector(args.cut), store.url)
         info = cls.info(m)
         # --rank R: the files and tensors listed are rank R's only (the cut's totals stay in the doc)
@@ -121,7 +123,7 @@ def _show_tensors(m: Manifest, part: Manifest, doc: dict[str, Any], lines: list[
 def cmd_verify(args: argparse.Namespace) -> int:
     with Store.open(args.url, readonly=True) as store:
         cut = None if args.cut is None else _selector(args.cut)
-        manifests = store.classify().committed if cut is None else [store.manifest(cut)]
+        manifests = spi.classify(store).committed if cut is None else [store.manifest(cut)]
         progress = Progress(sum(m.nbytes for m in manifests), "verify")
         report = store.verify(cut, progress=progress)
         progress.finish()
@@ -233,7 +235,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_repair(args: argparse.Namespace) -> int:
     store = open_for_repair(args.url)
     try:
-        cls = store.classify()
+        cls = spi.classify(store)
         progress = Progress(sum(m.nbytes for m in cls.committed), "repair")
         info = store.repair(progress=progress)
         progress.finish()
@@ -250,7 +252,7 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
     from ..selection import choose_cut
 
     with Store.open(args.url, readonly=True) as store:
-        cls = store.classify()
+        cls = spi.classify(store)
         try:
             info, skipped = choose_cut(store.storage, cls, fallback=True)
         except CutNotFound as exc:

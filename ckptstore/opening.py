@@ -1,0 +1,182 @@
+"""Opening a store: one process or the ranks of a group, as a reader, a writer or a participant; creating
+one (moved out of store.py, issue 20). Every open returns a :class:`~ckptstore.core.StoreCore` whose
+:class:`~ckptstore.core.Role` is fixed here; :class:`~ckptstore.store.Store` wraps it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Union
+
+from . import layout
+from .collect import recover as run_recovery
+from .core import Role, StoreCore
+from .errors import StorageError, StoreNotFound, UsageError
+from .latest import StoreIdentity
+from .options import StoreOptions
+from .protocol import now_iso
+from .ranks import DEFAULT_RANK_TIMEOUT, RankFailure, RankGroup, check_all_ok, outcome, store_namespace
+from .storage import Storage, open_storage, store_url
+
+Url = Union[str, "os.PathLike[str]", Storage]
+
+
+def open_core(url: Url, *, create: bool, readonly: bool, options: StoreOptions | None, group: Any,
+              rank_timeout: float | None, recover: bool) -> StoreCore:
+    """See :meth:`ckptstore.Store.open`."""
+    url = url if isinstance(url, Storage) else store_url(url)  # a pathlib.Path too (issue 19 item 11)
+    if group is not None and not recover:
+        raise UsageError("recover=False is for one process; a group's open always recovers", store=str(url))
+    if group is not None:
+        return _open_group(url, group=group, rank_timeout=rank_timeout, create=create, readonly=readonly,
+                           options=options)
+    if rank_timeout is not None:
+        raise UsageError("rank_timeout goes with group=", store=str(url))
+    core = open_one(url, create=create, role=Role.READER if readonly else Role.WRITER, options=options)
+    if not readonly and not recover:
+        core.recovery_pending = True
+    elif not readonly:
+        try:
+            run_recovery(core)
+        except BaseException:
+            core.close()
+            raise
+    return core
+
+
+def _open_group(url: str | Storage, *, group: Any, rank_timeout: float | None, create: bool, readonly: bool,
+                options: StoreOptions | None) -> StoreCore:
+    name = url.url if isinstance(url, Storage) else str(url)
+    ranks = RankGroup(group, rank_timeout=DEFAULT_RANK_TIMEOUT if rank_timeout is None else rank_timeout,
+                      namespace=store_namespace(name), store=name)
+    if ranks.size == 1:
+        ranks.close()
+        return open_core(url, create=create, readonly=readonly, options=options, group=None, rank_timeout=None,
+                         recover=True)
+    try:
+        # Beating throughout: rank 0's writer open may wait minutes for a dead trainer's writer
+        # process to finish its cut while the others wait for it (issue 19 item 7).
+        with ranks.busy():
+            core = _open_ranks(url, ranks, create=create, readonly=readonly, options=options)
+    except BaseException:
+        ranks.close()
+        raise
+    return core.with_ranks(ranks)
+
+
+def _open_ranks(url: str | Storage, ranks: RankGroup, *, create: bool, readonly: bool,
+                options: StoreOptions | None) -> StoreCore:
+    """The collective open's body: rank 0 opens as the writer (or every rank readonly), then the
+    others join as participants; every rank raises if any failed."""
+    where = {"store": url.url if isinstance(url, Storage) else str(url)}
+    core: StoreCore | None = None
+    try:
+        err: BaseException | None = None
+        if readonly:
+            try:
+                core = open_one(url, create=False, role=Role.READER, options=options)
+            except BaseException as exc:  # noqa: BLE001 - every rank hears of it below
+                err = exc
+            msgs = ranks.exchange("open", outcome(err), **where)
+            if err is not None:
+                raise err
+            check_all_ok(msgs, "opening the store", **where)
+            assert core is not None
+            return core
+        if ranks.rank == 0:
+            try:
+                core = open_core(url, create=create, readonly=False, options=options, group=None, rank_timeout=None,
+                                 recover=True)
+            except BaseException as exc:  # noqa: BLE001
+                err = exc
+        first = ranks.exchange("open-writer", outcome(err), senders=[0], **where)[0]
+        if err is not None:
+            raise err
+        if not first["ok"]:
+            raise RankFailure(f"rank 0 could not open the store as its writer: {first['error']}", ranks=[0], **where)
+        if ranks.rank != 0:
+            try:
+                core = open_one(url, create=False, role=Role.PARTICIPANT, options=options)
+            except BaseException as exc:  # noqa: BLE001
+                err = exc
+        msgs = ranks.exchange("open-participants", outcome(err), **where)
+        if err is not None:
+            raise err
+        check_all_ok(msgs, "joining the store", **where)
+        assert core is not None
+        return core
+    except BaseException:
+        if core is not None:
+            core.close()
+        raise
+
+
+def open_one(url: str | Storage, *, create: bool, role: Role, options: StoreOptions | None) -> StoreCore:
+    """One process's open in ``role``, without recovery: a writer takes the lock; a reader and a
+    participant only check that a store is there."""
+    options = options or StoreOptions()
+    # A Storage instance is accepted as is: custom backends, and the power-loss simulator in tests.
+    storage = url if isinstance(url, Storage) else open_storage(url, storage_options=options.storage_options)
+    if not storage.exists(layout.STORE_FILE):
+        if not create or role is not Role.WRITER:
+            raise StoreNotFound("no ckptstore store here", store=storage.url, path=layout.STORE_FILE,
+                                hint="pass create=True to make one" if role is Role.WRITER else None)
+        # A directory holding only our own names is a creation that crashed before STORE.json
+        # was durable: finish it. Anything else is someone's data: never take it over.
+        foreign = [e.name for e in storage.list_dir("")
+                   if e.name not in layout.ROOT_ENTRIES and not layout.is_tmp_name(e.name)]
+        if foreign:
+            raise UsageError(f"refusing to create a store in a non-empty directory ({foreign[:3]})", store=storage.url)
+        _create(storage)
+    else:
+        StoreIdentity.from_bytes(storage.read_bytes(layout.STORE_FILE), store=storage.url, path=layout.STORE_FILE)
+    core = StoreCore(storage, options, role)
+    if role is Role.WRITER:
+        try:
+            core.lock.acquire()
+            core.own_dirs(layout.CUTS_DIR, layout.MARKS_DIR, layout.BAD_DIR)
+        except BaseException:
+            core.close()
+            raise
+    return core
+
+
+def _create(storage: Storage) -> None:
+    root = storage.local_path("") if storage.capabilities.local_paths else None
+    if root is not None:
+        make_root(root, storage.url)
+    for d in (layout.CUTS_DIR, layout.MARKS_DIR, layout.BAD_DIR):
+        storage.make_dir(d)
+    storage.write_durably(layout.STORE_FILE, StoreIdentity(created_at=now_iso()).to_bytes())
+
+
+def make_root(root: str, url: str) -> None:
+    """Creates a local store's root and its parents. A path that is, or runs through, something other
+    than a directory is a ``UsageError`` naming what is in the way (issue 10 item 20; issue 19 item 14:
+    a path below a regular file raised a raw NotADirectoryError); any other refusal (permissions, a
+    full disk, a file created meanwhile) is a ``StorageError`` naming the store."""
+    there = root
+    while not os.path.lexists(there) and os.path.dirname(there) != there:
+        there = os.path.dirname(there)
+    if os.path.lexists(there) and not os.path.isdir(there):
+        what = "a file, not a directory" if os.path.isfile(there) else "not a directory"
+        raise UsageError(f"cannot create a store here: {there} is {what}", store=url, path=there,
+                         hint="pick a new or empty directory for the store")
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, "creating the store directory", store=url, path=root) from exc
+
+
+def open_for_repair(url: str | Storage, options: StoreOptions | None = None) -> StoreCore:
+    """A writer handle without recovery, for ``ckptstore repair`` on a store whose LATEST is broken."""
+    return open_one(url, create=False, role=Role.WRITER, options=options)
+
+
+def open_participant(url: Url, options: StoreOptions | None = None) -> StoreCore:
+    """A participant without a group: no lock, no recovery; it writes rank parts of cuts a coordinator
+    elsewhere marks (DCP's ranks; issue 20: they wrote them through readonly handles)."""
+    return open_one(url if isinstance(url, Storage) else store_url(url), create=False, role=Role.PARTICIPANT,
+                    options=options)
+
+
+__all__ = ["make_root", "open_core", "open_for_repair", "open_one", "open_participant"]

@@ -1,0 +1,86 @@
+"""The service interface: what ``ckptstore.writer`` and ``ckptstore.integrations`` may use of a store
+beyond its user API (issue 20). One module they import instead of a score of store modules, so
+:class:`~ckptstore.store.Store`'s public face is the user's only.
+
+Each function takes an open :class:`~ckptstore.store.Store`:
+
+- :func:`lock_handoff`: the writer lock as a helper process inherits it.
+- :func:`rank_part`: a rank's share of a cut its coordinator marked (a writer's or a participant's, never
+  a reader's: a reader writes nothing, rank parts included).
+- :func:`shard_spec`, :func:`shard_codec`: the store's shard settings, as a write request carries them,
+  and the codec they name.
+- :func:`classify`: what is on disk now (committed cuts, leftovers, LATEST's health), for the CLI, resume
+  and audits.
+- :func:`point_latest`, :func:`record_bad`: the resume tooling's two changes to a store.
+- :func:`open_participant`: a handle that writes rank parts of cuts a coordinator elsewhere marks (DCP's
+  ranks), holding no lock and committing nothing.
+
+The old ``Store`` methods of these names (``rank_part_for`` for ``rank_part`` with a rank) still work for
+one minor release, with a ``DeprecationWarning``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import cutting, opening, repairing
+from .info import CutInfo
+from .intent import CutIntent, ShardSpec
+from .options import StoreOptions
+from .pending import PendingCut, RankPart
+from .recovery import Classification
+from .shards import Codec
+from .store import Store, core_of
+
+
+def lock_handoff(store: Store) -> tuple[dict[str, Any], int | None]:
+    """The writer lock as a helper process inherits it (``ckptstore.lock.InheritedLock``): a
+    description and, for a flock, the descriptor to pass along (a handle that holds none: kind "none")."""
+    return cutting.lock_handoff(core_of(store))
+
+
+def rank_part(store: Store, cut: str, step: int, rank: int | None = None, world_size: int | None = None) -> RankPart:
+    """Rank ``rank``'s share of cut ``cut`` of ``world_size`` ranks (default: the store's group's rank
+    and size), marked by the coordinator. A reader's is a ``UsageError``."""
+    core = core_of(store)
+    if rank is None and world_size is None:
+        return cutting.group_rank_part(core, cut, step)
+    assert rank is not None and world_size is not None
+    return cutting.rank_part(core, cut, step, rank, world_size)
+
+
+def shard_spec(store: Store) -> ShardSpec:
+    """How the store's shards are written (its options, read in one place)."""
+    return ShardSpec.of(store.options)
+
+
+def shard_codec(store: Store) -> Codec:
+    """The codec the store's shards are written with (``shard_spec(store).make_codec()``)."""
+    return cutting.shard_codec(core_of(store))
+
+
+def classify(store: Store) -> Classification:
+    """What is on disk right now (see :mod:`ckptstore.recovery`)."""
+    return core_of(store).classify()
+
+
+def point_latest(store: Store, cut: str) -> CutInfo:
+    """Moves LATEST to committed cut ``cut`` (a fallback resume); writers only."""
+    return repairing.point_latest(core_of(store), cut)
+
+
+def record_bad(store: Store, cut: str, reason: str) -> None:
+    """Records committed cut ``cut`` as bad (a resume found it unreadable). Readers too: ``bad/`` is only
+    ever added to, and a reader's fallback records what it skipped."""
+    repairing.record_bad(core_of(store), cut, reason)
+
+
+def open_participant(url: Any, options: StoreOptions | None = None) -> Store:
+    """A handle that writes rank parts into cuts a coordinator elsewhere marks and commits: role
+    participant, no group, no lock, no recovery; ``begin_cut``, ``save``, ``prune``, ``gc`` and the other
+    writes raise ``UsageError``."""
+    return Store(opening.open_participant(url, options))
+
+
+__all__ = ["CutIntent", "PendingCut", "RankPart", "ShardSpec", "classify", "lock_handoff", "open_participant",
+           "point_latest", "rank_part", "record_bad", "shard_codec", "shard_spec"]
