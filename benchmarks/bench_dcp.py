@@ -73,7 +73,7 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 sys.path.insert(0, REPO)
-from ckptstore.dcp import StoreReader, StoreWriter  # noqa: E402
+from ckptstore.integrations.dcp import StoreReader, StoreWriter  # noqa: E402
 from benchfloors import AlignedImage, odirect_write  # noqa: E402
 from benchstate import build_state, fmt  # noqa: E402
 

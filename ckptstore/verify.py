@@ -4,6 +4,8 @@ first one.
 A finding has a ``severity``: "error" (committed data or the commit point is damaged: the audit fails)
 or "notice" (leftovers of an interrupted save or prune, foreign files: ``gc`` material, not damage),
 and a :class:`FindingKind`, compared by member, never by a prefix or a message's words (issue 20).
+Notices about manifest metadata an integration owns come from that integration's check
+(:mod:`ckptstore.metachecks`), with kinds of its own (a :class:`~ckptstore.metachecks.NoticeKind`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from .kinds import StrKind
 from .latest import Pointer
 from .storage import Storage
 from .manifest import FileRecord, Manifest
+from .metachecks import NoticeKind, notice_kind
+from .metachecks import notices as metadata_notices
 from .recovery import Classification, LatestProblem, LeftoverKind
 from .shards import check_file_digest_v2, check_header_matches, local_digests_v2, read_header, read_shard_into
 from .tree import check_tree, has_pickle, leaf_names
@@ -46,8 +50,7 @@ class FindingKind(StrKind):
     LATEST_UNREADABLE = "latest-unreadable"
     LATEST_DANGLING = "latest-dangling"
     LATEST_HASH_MISMATCH = "latest-hash-mismatch"
-    # notices
-    DCP_BYTE_IO = "dcp-byte-io"
+    # notices (an integration's metadata checks add kinds of their own: ckptstore.metachecks)
     RECORDED_BAD = "recorded-bad"
     REMOVED_DURING_VERIFY = "removed-during-verify"
     FOREIGN = "foreign"
@@ -95,7 +98,7 @@ _OF_LEFTOVER = {
 @dataclass(frozen=True)
 class Finding:
     severity: str  # "error" | "notice"
-    kind: FindingKind
+    kind: FindingKind | NoticeKind
     message: str
     cut: str | None = None
     path: str | None = None
@@ -105,7 +108,20 @@ class Finding:
     def __post_init__(self) -> None:
         # A kind given by its spelling becomes the member; an unknown one is refused here, not
         # reported under a kind no reader knows.
-        object.__setattr__(self, "kind", FindingKind(self.kind))
+        object.__setattr__(self, "kind", _finding_kind(self.kind))
+
+
+def _finding_kind(kind: str) -> FindingKind | NoticeKind:
+    """The member a kind spells: the store's own, else a notice kind an integration registered."""
+    if isinstance(kind, (FindingKind, NoticeKind)):
+        return kind
+    try:
+        return FindingKind(kind)
+    except ValueError:
+        found = notice_kind(kind)
+        if found is None:
+            raise
+        return found
 
 
 @dataclass
@@ -247,29 +263,6 @@ def tree_problem(m: Manifest) -> str | None:
     return None
 
 
-#: The manifest metadata key of a cut written through ckptstore.dcp (its DCP Metadata as JSON).
-DCP_METADATA_KEY = "ckptstore.dcp"
-
-
-def _dcp_byte_io_fqns(m: Manifest) -> list[str]:
-    doc = m.metadata.get(DCP_METADATA_KEY) if isinstance(m.metadata, dict) else None
-    entries = doc.get("state_dict_metadata") if isinstance(doc, dict) else None
-    if not isinstance(entries, list):
-        return []
-    return [str(e.get("fqn")) for e in entries if isinstance(e, dict) and e.get("kind") == "bytes"]
-
-
-def dcp_byte_io_items(m: Manifest) -> int:
-    """How many of a DCP cut's values are byte-IO items (bytes DCP made with torch.save): verify names
-    them, because loading them through DCP unpickles them."""
-    return len(_dcp_byte_io_fqns(m))
-
-
-def dcp_byte_io_example(m: Manifest) -> str:
-    fqns = _dcp_byte_io_fqns(m)
-    return fqns[0] if fqns else ""
-
-
 def verify_store(
     storage: Storage,
     cls: Classification,
@@ -295,12 +288,10 @@ def verify_store(
         problem = tree_problem(m)
         if problem is not None:
             add(Finding("error", FindingKind.TREE_INVALID, problem, m.cut, layout.manifest_path(m.cut)))
-        byte_io = dcp_byte_io_items(m)
-        if byte_io:
-            add(Finding("notice", FindingKind.DCP_BYTE_IO, f"{byte_io} value(s) saved through DCP as torch.save bytes "
-                        f"(e.g. {dcp_byte_io_example(m)!r}): stored and hashed as uint8 arrays, never unpickled "
-                        "by ckptstore; DCP's loader unpickles them (weights_only=False), so load this cut "
-                        "through DCP only from a store you trust", m.cut, layout.manifest_path(m.cut)))
+        # What the integrations that own keys of the cut's metadata say about it (issue 20: the store
+        # layer knows none of them).
+        for kind, message in metadata_notices(m.metadata):
+            add(Finding("notice", kind, message, m.cut, layout.manifest_path(m.cut)))
         for rec in m.files:
             report.findings.extend(verify_file(storage, m, rec, progress))
             report.files_checked += 1

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import ckptstore
-from ckptstore.dcp import StoreReader, StoreWriter
+from ckptstore.integrations.dcp import StoreReader, StoreWriter
 from ranks.rank_worker import fsdp_model, train_step
 from ranks.rankkit import worker_main
 

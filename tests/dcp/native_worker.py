@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ckptstore.dcp import StoreReader
+from ckptstore.integrations.dcp import StoreReader
 from ranks.rank_worker import fsdp_model, train_step
 from ranks.rankkit import worker_main
 

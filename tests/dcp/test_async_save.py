@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptstore
-from ckptstore.dcp import StoreReader, StoreWriter
+from ckptstore.integrations.dcp import StoreReader, StoreWriter
 
 
 def test_async_save_commits_when_its_future_completes(tmp_path):

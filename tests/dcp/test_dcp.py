@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptstore
 from ckptstore.cli import main as cli
-from ckptstore.dcp import METADATA_KEY, StoreReader, StoreWriter, metadata_from_json, metadata_to_json
+from ckptstore.integrations.dcp import METADATA_KEY, StoreReader, StoreWriter, metadata_from_json, metadata_to_json
 from ranks.rankkit import RankResult, describe, run_job
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dcp_worker.py")

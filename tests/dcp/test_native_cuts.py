@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import ckptstore
-from ckptstore.dcp import METADATA_KEY, StoreReader
+from ckptstore.integrations.dcp import METADATA_KEY, StoreReader
 from ranks.rankkit import RankResult, describe, run_job
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_worker.py")

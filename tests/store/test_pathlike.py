@@ -98,7 +98,7 @@ def test_export_takes_a_path(root: Path, tmp_path: Path) -> None:
 def test_dcp_writer_and_reader_take_a_path(root: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from ckptstore.dcp import StoreReader, StoreWriter
+    from ckptstore.integrations.dcp import StoreReader, StoreWriter
 
     state = model_state(3)
     with warnings.catch_warnings():

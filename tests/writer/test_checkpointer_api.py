@@ -140,7 +140,7 @@ def test_every_cut_emits_captured_written_committed_to_callback_and_file(url, tm
 def test_a_step_out_of_bounds_is_the_same_usage_error_on_every_path(url):
     """Issue 20: maybe_cut(10**12) raised a raw ValueError, and save, the Checkpointer, ranked cuts and
     the DCP writer had different bounds. One check now (layout.check_step), naming the store."""
-    from ckptstore.dcp import StoreWriter
+    from ckptstore.integrations.dcp import StoreWriter
 
     with Checkpointer(url, every=1, mode="inline") as ck:
         for bad in (10**12, -1, True, 1.0):
