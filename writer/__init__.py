@@ -6,7 +6,7 @@ Depends on the store (``ckptstore``); the store never imports this package.
 from __future__ import annotations
 
 from .checkpointer import Checkpointer
-from .committer import CutHandle
+from .handle import CutHandle
 from .errors import IllegalTransition, ShmTooSmall, WriterDied, WriterError, WriterTimeout
 from .options import WriterOptions
 

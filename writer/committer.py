@@ -1,112 +1,14 @@
-"""Cuts in flight: each cut's state machine (:class:`CutHandle`) and the commit thread that moves it.
-
-States::
-
-    capturing -> writing -> committing -> committed
-        |           |            |
-        +-> skipped +-> failed <-+     (and aborted, from capturing or writing, at close)
-
-Any other transition raises ``IllegalTransition``. Terminal states never change again, so retrying the
-cleanup of a failed cut can never turn a committed outcome into anything else.
-"""
+"""Deprecated: this module is :mod:`ckptstore.writer.handle` now (issue 20: its docstring claimed the
+commit thread, which lives in :mod:`ckptstore.writer.pipeline`). Kept for one release; import
+``CutHandle`` from ``ckptstore.writer``."""
 
 from __future__ import annotations
 
-import threading
-import time
-from typing import Any
+import warnings
 
-from ckptstore.info import CutInfo
+from .handle import TERMINAL, CutHandle, elapsed
 
-from .errors import IllegalTransition, WriterError
-
-CAPTURING, WRITING, COMMITTING = "capturing", "writing", "committing"
-COMMITTED, SKIPPED, FAILED, ABORTED = "committed", "skipped", "failed", "aborted"
-TERMINAL = frozenset({COMMITTED, SKIPPED, FAILED, ABORTED})
-_ALLOWED = {
-    CAPTURING: {WRITING, SKIPPED, FAILED, ABORTED},
-    WRITING: {COMMITTING, FAILED, ABORTED},
-    COMMITTING: {COMMITTED, FAILED},
-}
-
-
-class CutHandle:
-    """One cut taken by a Checkpointer. ``wait()`` returns its CutInfo or raises its error."""
-
-    def __init__(self, step: int, cut: str, final: bool) -> None:
-        self.step = step
-        self.id = cut
-        self.final = final
-        self._state = CAPTURING
-        self._info: CutInfo | None = None
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-        self._lock = threading.Lock()
-        self.reported = False  # the error reached the caller (wait/maybe_cut/close)
-        self.timings: dict[str, float] = {}
-        self.fallback: str | None = None
-        #: The request handed to the writer process at capture (process mode) until its answer is read.
-        self.request: Any = None
-        self.handed_over = False
-
-    @property
-    def state(self) -> str:
-        return self._state
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def _move(self, new: str, *, info: CutInfo | None = None, error: BaseException | None = None) -> None:
-        with self._lock:
-            if new not in _ALLOWED.get(self._state, set()):
-                raise IllegalTransition(f"cut {self.id}: {self._state} -> {new} is not allowed", step=self.step,
-                                        cut=self.id)
-            # Outcome fields only after the check: a refused move must not change a terminal outcome
-            # (a late to_failed on a committed cut would otherwise make its wait() raise).
-            if info is not None:
-                self._info = info
-            if error is not None:
-                self._error = error
-            self._state = new
-            if new in TERMINAL:
-                self._done.set()
-
-    def to_writing(self) -> None:
-        self._move(WRITING)
-
-    def to_committing(self) -> None:
-        self._move(COMMITTING)
-
-    def to_committed(self, info: CutInfo) -> None:
-        self._move(COMMITTED, info=info)
-
-    def to_failed(self, error: BaseException) -> None:
-        self._move(FAILED, error=error)
-
-    def to_aborted(self, reason: str) -> None:
-        self._move(ABORTED, error=WriterError(f"cut aborted: {reason}", step=self.step, cut=self.id))
-
-    def wait(self, timeout: float | None = None) -> CutInfo:
-        """Blocks until the cut is committed (returns its CutInfo) or failed (raises its error)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"cut {self.id} (step {self.step}) still {self._state} after {timeout} s")
-        if self._error is not None:
-            self.reported = True
-            raise self._error
-        assert self._info is not None
-        return self._info
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
-    def __repr__(self) -> str:
-        return f"CutHandle(step={self.step}, id={self.id!r}, state={self._state!r})"
-
-
-def elapsed(t0: float) -> float:
-    return round(time.perf_counter() - t0, 6)
-
+warnings.warn("ckptstore.writer.committer is deprecated: import CutHandle from ckptstore.writer "
+              "(the module is ckptstore.writer.handle)", DeprecationWarning, stacklevel=2)
 
 __all__ = ["CutHandle", "TERMINAL", "elapsed"]

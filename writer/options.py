@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+from ckptstore.errors import UsageError
 from ckptstore.kinds import StrKind
 from ckptstore.retention import Policy
+
+#: An argument not passed (``None`` is a value ``keep`` takes).
+UNSET: Any = object()
 
 Busy = Literal["skip", "wait"]
 
@@ -67,3 +71,19 @@ class WriterOptions:
             raise ValueError("nice must be in [0, 19]")
         if self.write_timeout <= 0 or self.handshake_timeout <= 0:
             raise ValueError("timeouts must be positive")
+
+
+def resolve_options(options: WriterOptions | None, **given: Any) -> WriterOptions:
+    """The Checkpointer's ``options``, or the WriterOptions its keywords make (those not ``UNSET``).
+    Both at once is a UsageError naming the keywords: ``options`` silently won before, so ``every``,
+    ``keep``, ``mode`` and ``busy`` were ignored (issue 20)."""
+    given = {k: v for k, v in given.items() if v is not UNSET}
+    if options is None:
+        try:
+            return WriterOptions(**given)
+        except (TypeError, ValueError) as exc:  # an unknown keyword, a value out of range
+            raise UsageError(f"Checkpointer: {exc}") from None
+    if given:
+        raise UsageError(f"Checkpointer takes options= or its keywords, not both: {sorted(given)} would be "
+                         "ignored", hint="put them in the WriterOptions: dataclasses.replace(options, ...)")
+    return options

@@ -79,14 +79,16 @@ class WriterProcess:
             if handoff.get("kind") == "flock":
                 P.send_fd(self._req, lock_fd)  # type: ignore[arg-type]
         except (P.ChannelClosed, OSError):
-            raise self._death(None, None) from None
+            raise self.death(None, None) from None
         self.last_phase = "idle"
 
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def _death(self, step: int | None, cut: str | None) -> WriterDied:
+    def death(self, step: int | None, cut: str | None) -> WriterDied:
+        """The WriterDied for this process, once it is gone (its exit status waited for, briefly; then
+        killed), naming what it was doing; the commit thread raises it for a writer found dead."""
         try:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -113,7 +115,7 @@ class WriterProcess:
                     P.send_fd(self._req, block_fd)
                     self._block_sent = req.block
         except (P.ChannelClosed, OSError):
-            raise self._death(req.step, req.cut) from None
+            raise self.death(req.step, req.cut) from None
 
     def marked(self, cut: str) -> None:
         """Tells the writer that ``cut`` is marked and in the block: it may write the request it holds."""
@@ -121,7 +123,7 @@ class WriterProcess:
             with self._send_lock:
                 P.send(self._req, P.Marked(cut=cut))
         except (P.ChannelClosed, OSError):
-            raise self._death(None, cut) from None
+            raise self.death(None, cut) from None
 
     def end(self, cut: str) -> None:
         """Tells the writer that ``cut`` was committed or abandoned (nothing left to rescue). Best
@@ -144,7 +146,7 @@ class WriterProcess:
                     f"{self.last_phase}; killed it", step=req.step, store=self.store_url, cut=req.cut,
                 ) from None
             except P.ChannelClosed:
-                raise self._death(req.step, req.cut) from None
+                raise self.death(req.step, req.cut) from None
             if isinstance(msg, P.Progress):
                 self.last_phase = f"writing {req.cut} ({msg.bytes_done} bytes done)"
                 continue

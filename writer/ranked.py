@@ -11,62 +11,84 @@ In the training loop (collective calls, every rank at the same steps):
 3. ``captured`` exchange: a rank whose capture failed makes every rank drop the cut.
 
 Behind the loop, each rank's commit thread runs the Checkpointer's one pipeline
-(``Checkpointer._process``) over this side's :class:`~ckptstore.collective.Collective`: (rank 0 first
-marks the cut) the writer process writes the rank's shards, the rank publishes its durable record
-(``cuts/<cut>/rank<r>.json``) and posts "written"; rank 0 waits for every rank's post (a rank that shows
-no sign of life for ``rank_timeout`` fails the cut), reads every record, commits one manifest and posts
-the outcome, which the other ranks wait for (``Collective.gather``). So LATEST moves once, only when
-every rank's files are durable, and every rank's handle ends with the same outcome.
+(:class:`~ckptstore.writer.pipeline.CommitPipeline`) over this side's
+:class:`~ckptstore.collective.Collective`: (rank 0 first marks the cut) the writer process writes the
+rank's shards, the rank publishes its durable record (``cuts/<cut>/rank<r>.json``) and posts "written";
+rank 0 waits for every rank's post (a rank that shows no sign of life for ``rank_timeout`` fails the
+cut), reads every record, commits one manifest and posts the outcome, which the other ranks wait for
+(``Collective.gather``). So LATEST moves once, only when every rank's files are durable, and every
+rank's handle ends with the same outcome.
+
+This module reaches the Checkpointer's cuts only through the pipeline and its ledger (issue 20: it
+used nine private members of the Checkpointer, the two importing each other under TYPE_CHECKING).
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Callable, Sequence
 
-from ckptstore import layout
+from ckptstore import CutInfo, StepConflict, UsageError, layout
 from ckptstore.attached import FilesArg
-from ckptstore.collective import Collective
-from ckptstore.errors import StepConflict, UsageError
-from ckptstore.info import CutInfo
 from ckptstore.ranks import RankFailure, RankGroup, check_all_ok, check_same, outcome
 
-from .capture import Captured, capture
-from .committer import CutHandle, elapsed
+from .capture import Captured
+from .handle import CutHandle
+from .pipeline import CommitPipeline
 
-if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
+
+def agree_ready(ranks: RankGroup, err: BaseException | None, where: dict[str, Any]) -> None:
+    """The end of the collective constructor: every rank is ready, or every rank raises."""
+    msgs = ranks.exchange("checkpointer-ready", outcome(err), **where)
+    if err is None:
+        check_all_ok(msgs, "starting the checkpointer", **where)
 
 
 class RankedCuts:
     """The collective side of one rank's Checkpointer (made by it when its store has ranks)."""
 
-    def __init__(self, ck: "Checkpointer", ranks: RankGroup) -> None:
-        self.ck = ck
+    def __init__(self, pipeline: CommitPipeline, ranks: RankGroup) -> None:
+        self.pipeline = pipeline
+        self.cuts = pipeline.cuts
         self.ranks = ranks
-        #: The cut's steps behind the loop (the Checkpointer's pipeline runs on it).
-        self.collective = Collective(ranks, store=ck.store.url)
-
-    @property
-    def where(self) -> dict[str, Any]:
-        return {"store": self.ck.store.url}
+        self.where: dict[str, Any] = {"store": pipeline.store.url}
 
     # --------------------------------------------------------------------------------- agreement
     def agree_ready(self, err: BaseException | None) -> None:
         """The end of the collective constructor: every rank is ready, or every rank raises."""
-        msgs = self.ranks.exchange("checkpointer-ready", outcome(err), **self.where)
-        if err is None:
-            check_all_ok(msgs, "starting the checkpointer", **self.where)
+        agree_ready(self.ranks, err, self.where)
 
     def agree_close(self) -> None:
         """Collective close: every rank reports what failed unreported; all raise the same failure."""
         self._agree_failures(self.ranks.exchange("close", {"failed": self._unreported()}, **self.where))
 
+    def agree_preempt(self, step: int, signal: str | None) -> dict[int, str]:
+        """Every ``maybe_cut`` with ``preemption``: the ranks that received a notice, by rank, and its signal."""
+        msgs = self.ranks.exchange("preempt", {"step": step if isinstance(step, int) else repr(step),
+                                               "signal": signal}, **self.where)
+        check_same(msgs, ("step",), "maybe_cut", **self.where)
+        return {r: m["signal"] for r, m in enumerate(msgs) if m["signal"]}
+
+    def mark_final(self, mark: Callable[[], CutInfo]) -> CutInfo:
+        """Collective ``mark_final``: rank 0 runs ``mark``; every rank returns its CutInfo or raises."""
+        err: BaseException | None = None
+        info: CutInfo | None = None
+        if self.ranks.rank == 0:
+            try:
+                info = mark()
+            except BaseException as exc:  # noqa: BLE001 - every rank hears of it below
+                err = exc
+        msgs = self.ranks.exchange("mark-final", {**outcome(err), "info": info.to_json() if info else None},
+                                   **self.where)
+        if err is not None:
+            raise err
+        check_all_ok(msgs, "marking the last cut final", **self.where)
+        return CutInfo.from_json(msgs[0]["info"])
+
     def _unreported(self) -> dict[str, Any] | None:
-        for h in self.ck._handles:
-            if h.done and h.error is not None and not h.reported:
-                return {"cut": h.id, "step": h.step, "error": f"{type(h.error).__name__}: {h.error}"[:2000]}
-        return None
+        h = self.cuts.first_unreported()
+        if h is None:
+            return None
+        return {"cut": h.id, "step": h.step, "error": f"{type(h.error).__name__}: {h.error}"[:2000]}
 
     def _agree_failures(self, msgs: Sequence[Any]) -> None:
         """Raises on every rank when any rank's earlier cut failed: this rank's own error when it has
@@ -74,17 +96,15 @@ class RankedCuts:
         failed = {r: m["failed"] for r, m in enumerate(msgs) if m.get("failed")}
         if not failed:
             return
-        mine = [h for h in self.ck._handles if h.done and h.error is not None and not h.reported]
-        for h in mine:
-            h.reported = True
-        self.ck._handles = [h for h in self.ck._handles if not h.done]
+        mine = self.cuts.claim_unreported()
         if mine:
-            raise mine[0].error  # type: ignore[misc]
+            raise mine[0]
         first = failed[min(failed)]
         detail = "; ".join(f"rank {r}: {f['error']}" for r, f in sorted(failed.items()))
         raise RankFailure(f"cut {first['cut']} (step {first['step']}) failed on rank(s) {sorted(failed)}: {detail}",
                           ranks=list(failed), cut=first["cut"], **self.where)
 
+    # ------------------------------------------------------------------------------------ a cut
     def take(self, step: int, state: Any, *, periodic: bool, **kw: Any) -> CutHandle | None:
         """``maybe_cut``/``cut``: beating throughout, as the others may wait while this rank captures
         its state or waits for its previous cut (issue 19 item 7)."""
@@ -94,18 +114,29 @@ class RankedCuts:
     def _take(self, step: int, state: Any, *, periodic: bool, final: bool = False, tags: Sequence[str] = (),
               metadata: dict[str, Any] | None = None, allow_pickle: bool = False, files: FilesArg | None = None
               ) -> CutHandle | None:
-        ck = self.ck
-        if ck._closed:
-            raise UsageError("the checkpointer is closed", store=ck.store.url)
-        current = ck._current
-        local: BaseException | None = None
+        cut = self._agree_cut(step, periodic=periodic, final=final)
+        if cut is None:
+            return None
+        handle = CutHandle(step, cut, final)
+        captured = self._capture(handle, state, allow_pickle=allow_pickle, files=files)
+        return self.pipeline.launch(handle, captured, tags=tags, metadata=metadata, final=final)
+
+    def _check_step(self, step: int) -> UsageError | None:
+        """This rank's objection to a cut of ``step``, posted like any local failure (every rank raises)."""
         try:
-            layout.check_step(step, store=ck.store.url)
-            if ck._last_step is not None and step <= ck._last_step:
-                local = StepConflict(f"step {step} is not above the last cut's step {ck._last_step}",
-                                     store=ck.store.url)
-        except UsageError as exc:  # posted like any local failure: every rank raises at this call
-            local = exc
+            layout.check_step(step, store=self.where["store"])
+        except UsageError as exc:
+            return exc
+        last = self.cuts.last_step
+        if last is not None and step <= last:
+            return StepConflict(f"step {step} is not above the last cut's step {last}", **self.where)
+        return None
+
+    def _agree_cut(self, step: int, *, periodic: bool, final: bool) -> str | None:
+        """The exchange that opens a cut of ``step`` on every rank: the agreed cut id, or None when a
+        periodic cut is skipped because a rank is busy; raises on every rank what any rank objects to."""
+        current = self.cuts.current
+        local = self._check_step(step)
         proposal = layout.new_cut_id(step) if self.ranks.rank == 0 and local is None else None
         # A rank lost here is named with the last cut taken, which is the one its loss fails.
         last = {"cut": current.id} if current is not None else {}
@@ -121,25 +152,22 @@ class RankedCuts:
         check_all_ok(msgs, f"taking the cut of step {step}", **self.where)
         if any(m["busy"] for m in msgs):
             busy_ranks = [r for r, m in enumerate(msgs) if m["busy"]]
-            if periodic and ck.options.busy == "skip":
-                ck.skipped += 1
-                ck.events.emit("skipped", step=step, reason=f"the previous cut is still in flight on rank(s) {busy_ranks}",
-                               skipped_total=ck.skipped, waited_total=ck.waited)
+            if periodic and self.pipeline.options.busy == "skip":
+                self.cuts.skip(step, f"the previous cut is still in flight on rank(s) {busy_ranks}")
                 return None
-            ck.waited += 1
-            t_wait = time.perf_counter()
-            if current is not None:
-                current._done.wait()
-            ck.events.emit("waited", step=step, seconds=elapsed(t_wait), waited_total=ck.waited)
+            self.cuts.wait_for_current(step)
             self._agree_failures(self.ranks.exchange("cut-waited", {"failed": self._unreported()}, **self.where))
         # Every rank's previous cut has ended, so every rank has read its outcome posts.
-        self.collective.forget_outcomes()
-        handle = CutHandle(step, msgs[0]["cut"], final)
+        self.pipeline.collective.forget_outcomes()
+        return msgs[0]["cut"]
+
+    def _capture(self, handle: CutHandle, state: Any, *, allow_pickle: bool, files: FilesArg | None) -> Captured:
+        """This rank's capture, then the ``captured`` exchange: a capture failed on any rank fails the
+        cut on every rank, at this call."""
         err: BaseException | None = None
         captured: Captured | None = None
         try:
-            captured = capture(state, ck._block_for, allow_pickle=allow_pickle, device_copy=ck.options.device_copy,
-                               pinning=ck._pinning, files=files, where={"store": ck.store.url, "cut": handle.id})
+            captured = self.pipeline.capture(handle, state, allow_pickle=allow_pickle, files=files)
         except BaseException as exc:  # noqa: BLE001 - every rank hears of it below
             err = exc
         msgs = self.ranks.exchange("captured", outcome(err), **self.where)
@@ -149,19 +177,17 @@ class RankedCuts:
             except RankFailure as exc:
                 err = exc
         if err is not None:
-            handle.to_failed(err)
-            handle.reported = True
-            ck.events.emit("failed", step=step, cut=handle.id, stage="capture", error=str(err),
-                           error_type=type(err).__name__)
+            self.pipeline.capture_failed(handle, err)
             raise err
         assert captured is not None
-        return ck._launch(handle, captured, tags=tags, metadata=metadata, final=final, world_size=self.ranks.size)
+        return captured
 
     def wait_committed(self, handle: CutHandle) -> CutInfo:
         """``cut(final=True)``: every rank waits for the outcome, which is the same on every rank."""
         with self.ranks.busy():
-            handle._done.wait()
+            handle.wait_ended()
             self._agree_failures(self.ranks.exchange("cut-final", {"failed": self._unreported()}, **self.where))
         return handle.wait()
 
-__all__ = ["RankedCuts"]
+
+__all__ = ["RankedCuts", "agree_ready"]

@@ -195,6 +195,39 @@ def scenario_ck_loop(job: Job) -> dict[str, Any]:
             "kinds": sorted({e["event"] for e in events})}
 
 
+def scenario_ck_mark_window(job: Job) -> dict[str, Any]:
+    """Rank 0's commit thread is slow to mark cut 2 (held until rank 1 has looked): rank 1 must write
+    nothing of the cut before its mark (issue 20), or a gc on rank 0 in that window could take rank
+    1's shards for an abandoned leftover."""
+    ck, _ = checkpointer(job, every=1)
+    first = ck.cut(1, state_of(job.rank, 1)).wait(60)
+    go = os.path.join(job.cfg["out_dir"], "go")
+    if job.rank == 0:
+        begin = ck.store.begin_cut
+
+        def held_begin(*a: Any, **kw: Any) -> Any:
+            _wait_for_file(go)
+            return begin(*a, **kw)
+
+        ck.store.begin_cut = held_begin
+    h = ck.maybe_cut(2, state_of(job.rank, 2))
+    early: list[str] = []
+    if job.rank == 1:
+        cuts = os.path.join(job.url, "cuts")
+        deadline = time.monotonic() + 1.0  # without the wait, rank 1's shards were there within ms
+        while time.monotonic() < deadline and not early:
+            early = [f"{d}/{f}" for d in os.listdir(cuts) if d != first.id for f in os.listdir(os.path.join(cuts, d))]
+            time.sleep(0.01)
+        open(go, "w").close()
+    info = h.wait(60)
+    ck.close()
+    res: dict[str, Any] = {"early": early, "cut": info.id}
+    if job.rank == 0:
+        with ckptstore.Store.open(job.url, readonly=True) as store:
+            res["verify_ok"] = store.verify().ok and store.latest().id == info.id
+    return res
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

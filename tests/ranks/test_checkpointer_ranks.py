@@ -209,3 +209,13 @@ def test_restore_with_fallback_is_agreed_by_every_rank(tmp_path):
     res2 = run_job(str(tmp_path / "out2"), 2, "restore_fallback", url=url)
     for r in res2:
         assert r.result == {"step": 1, "skipped": [m.cut], "latest_after": 1, "same": True}, describe(res2)
+
+
+def test_no_rank_writes_a_shard_before_rank_0_marked_the_cut(tmp_path):
+    """Issue 20: ranks other than 0 wrote their part as soon as their commit thread reached it, before
+    rank 0's mark; the cut's directory then read as an abandoned leftover on rank 0."""
+    url = str(tmp_path / "store")
+    res = run_job(str(tmp_path / "out"), 2, "ck_mark_window", url=url, mode="process")
+    assert all(r.result for r in res), describe(res)
+    assert res[1].result["early"] == [], "rank 1 wrote before rank 0 marked the cut"
+    assert res[0].result["verify_ok"] and res[0].result["cut"] == res[1].result["cut"]

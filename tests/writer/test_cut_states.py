@@ -108,3 +108,18 @@ def test_close_failure_after_final_cut_is_reported_and_final_stays_committed(url
     wait_until(lambda: has_exited(pid), what="writer exit")
     store = check_store(url)
     assert store.latest().id == final.id and store.latest().final
+
+
+def test_the_old_committer_module_is_a_deprecated_shim_of_handle(monkeypatch):
+    """Issue 20: committer.py became handle.py (its docstring claimed the commit thread, which lives in
+    pipeline.py); the old path keeps working for one release and says so."""
+    import importlib
+    import sys
+
+    import ckptstore.writer.handle as handle
+
+    monkeypatch.delitem(sys.modules, "ckptstore.writer.committer", raising=False)
+    with pytest.warns(DeprecationWarning, match="ckptstore.writer.committer is deprecated"):
+        old = importlib.import_module("ckptstore.writer.committer")
+    assert old.CutHandle is handle.CutHandle is CutHandle
+    assert old.elapsed is handle.elapsed and old.TERMINAL is handle.TERMINAL
