@@ -152,3 +152,121 @@ def test_store_modules_form_no_import_cycle_and_never_import_the_package_or_the_
     for mod in sorted(graph):
         if mod not in seen:
             visit(mod, [mod])
+
+
+# ------------------------------------------------------------------ the layer table (issue 20)
+#: Every module of the three packages, by layer, lowest first: a module imports modules of its own
+#: layer or of lower ones only (imports inside functions and under ``TYPE_CHECKING`` included). A new
+#: module must be placed here: where it sits is a decision. ``pkg.*`` stands for a package and its modules.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("base", ["errors", "kinds", "version", "ident", "hashing", "events", "gcpause", "metachecks", "layout",
+              "retention"]),
+    ("format", ["models", "format", "values", "tree.*", "arrays", "attached.*", "manifest", "latest", "marks",
+                "labels", "info"]),
+    ("storage", ["storage.*", "paths"]),
+    ("cut", ["shardwrite", "shardread", "shardcheck", "shards", "protocol", "options", "intent", "pending", "lease",
+             "lock", "recovery", "verify", "selection", "loader", "ranks", "collective", "rescue", "dtensors"]),
+    ("ops", ["core", "collect", "cutting", "opening", "reading", "pruning", "labeling", "repairing", "saving"]),
+    ("facade", ["store", "spi", "", "export", "resume", "dcp"]),
+    ("cli", ["cli.*"]),
+    ("writer", ["writer.*"]),
+    ("integrations", ["integrations.*"]),
+]
+#: Modules kept one release for old import paths, which import the new home above them.
+DEPRECATED_SHIMS = {"ckptstore.dcp"}
+#: Imports for annotations only. Each is a decision: most hide a cycle (issue 20 found one).
+TYPE_CHECKING_EDGES = {
+    ("ckptstore.pending", "ckptstore.storage"),
+    *{("ckptstore.integrations.dcp", f"ckptstore.integrations.dcp.{m}") for m in ("metadata", "native", "reader",
+                                                                                  "writer")},
+}
+ROOTS = {"ckptstore": "ckptstore", "ckptstore.writer": "writer", "ckptstore.integrations": "integrations"}
+
+
+def _all_modules() -> dict[str, tuple[str, bool]]:
+    """Module name -> (file, is a package), for ckptstore, ckptstore.writer and ckptstore.integrations."""
+    mods: dict[str, tuple[str, bool]] = {}
+    for pkg, root in ROOTS.items():
+        for dirpath, _dirs, files in os.walk(os.path.join(REPO, root)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                parts = os.path.relpath(os.path.join(dirpath, f), os.path.join(REPO, root))[:-3].split(os.sep)
+                is_pkg = parts[-1] == "__init__"
+                mods[".".join([pkg] + (parts[:-1] if is_pkg else parts))] = (os.path.join(dirpath, f), is_pkg)
+    return mods
+
+
+def _edges() -> dict[str, dict[str, bool]]:
+    """Module -> {imported module: only under TYPE_CHECKING}, every import wherever it stands."""
+    import ast
+
+    mods = _all_modules()
+    graph: dict[str, dict[str, bool]] = {}
+    for mod, (path, is_pkg) in mods.items():
+        here = mod if is_pkg else mod.rsplit(".", 1)[0]
+        deps: dict[str, bool] = {}
+        todo = [(ast.parse(open(path, encoding="utf-8").read()), False)]
+        while todo:
+            node, typing_only = todo.pop()
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = here.split(".")[: len(here.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+                targets = [f"{target}.{a.name}" for a in node.names] if target.startswith("ckptstore") else []
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("ckptstore")]
+            for t in targets:
+                while t not in mods and "." in t:
+                    t = t.rsplit(".", 1)[0]
+                if t != mod:
+                    deps[t] = deps.get(t, True) and typing_only
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", None)) == "TYPE_CHECKING":
+                    todo += [(c, True) for c in child.body] + [(c, typing_only) for c in child.orelse]
+                else:
+                    todo.append((child, typing_only))
+        graph[mod] = deps
+    return graph
+
+
+def _layer_of() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for mod in _all_modules():
+        short = mod[len("ckptstore."):] if mod != "ckptstore" else ""
+        hits = [i for i, (_, names) in enumerate(LAYERS) for n in names
+                if short == n or (n.endswith(".*") and (short == n[:-2] or short.startswith(n[:-1])))]
+        assert len(hits) == 1, f"{mod} is in {len(hits)} layers of LAYERS: place it in exactly one"
+        out[mod] = hits[0]
+    return out
+
+
+def test_every_module_has_a_layer_and_imports_only_its_own_or_lower_ones() -> None:
+    layer, graph = _layer_of(), _edges()
+    assert {"ckptstore.store", "ckptstore.writer.pipeline", "ckptstore.integrations.dcp.writer"} <= set(graph)
+    upward = [f"{m} ({LAYERS[layer[m]][0]}) imports {d} ({LAYERS[layer[d]][0]})"
+              for m, deps in graph.items() if m not in DEPRECATED_SHIMS for d in deps if layer[d] > layer[m]]
+    assert upward == []
+
+
+def test_no_import_cycle_across_the_packages_type_checking_imports_included() -> None:
+    graph = {m: set(d) for m, d in _edges().items()}
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1 and not dep.startswith(node + "."):  # a package re-exporting its parts
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+
+
+def test_type_checking_imports_are_the_counted_ones() -> None:
+    found = {(m, d) for m, deps in _edges().items() for d, typing_only in deps.items() if typing_only}
+    assert found == TYPE_CHECKING_EDGES, f"{len(found)} TYPE_CHECKING imports, {len(TYPE_CHECKING_EDGES)} counted"
