@@ -139,3 +139,19 @@ def test_the_moved_store_methods_still_work_for_one_release_and_warn(tmp_path) -
                 store.rank_part("x", 3)
     with pytest.raises(AttributeError):
         store.no_such_thing  # noqa: B018 - other names are still no attributes
+
+
+#: ``ckptstore.writer``'s public API (issue 20): its exports and the Checkpointer's public face.
+EXPECTED_WRITER_ALL = ["Checkpointer", "CutHandle", "WriterOptions", "WriterError", "WriterDied", "WriterTimeout",
+                       "ShmTooSmall", "IllegalTransition"]
+CHECKPOINTER_FACE = {"close": "function", "close_locally": "function", "cut": "function", "mark_final": "function",
+                     "maybe_cut": "function", "skipped": "property", "waited": "property", "writer_pid": "property"}
+
+
+def test_writer_all_and_the_checkpointer_face_are_pinned() -> None:
+    import ckptstore.writer as writer
+
+    assert writer.__all__ == EXPECTED_WRITER_ALL
+    assert all(hasattr(writer, name) for name in writer.__all__)
+    face = {n: type(v).__name__ for n, v in vars(writer.Checkpointer).items() if not n.startswith("_")}
+    assert face == CHECKPOINTER_FACE
