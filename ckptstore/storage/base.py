@@ -134,6 +134,11 @@ class Storage(ABC):
     def _error(self, exc: OSError, action: str, rel: str) -> StorageError:
         return StorageError.from_os_error(exc, action, store=self.url, cut=cut_of(rel), path=rel)
 
+    def error(self, exc: OSError, action: str, rel: str) -> StorageError:
+        """The ``StorageError`` for ``exc`` naming this store, the cut and the file: what a sink of this
+        storage raises (the public spelling of ``_error``, for sinks in other modules; issue 20)."""
+        return self._error(exc, action, rel)
+
     def spec(self) -> StorageSpec | None:
         """How another process reaches this storage, or None when it cannot."""
         return None

@@ -29,20 +29,20 @@ class ObjectSink(Sink):
         try:
             self._f = storage.fs.open(storage._abs(rel), "wb")
         except OSError as exc:
-            raise storage._error(exc, "creating object", rel) from exc
+            raise storage.error(exc, "creating object", rel) from exc
 
     def write(self, data: memoryview | bytes) -> None:
         try:
             self._f.write(bytes(data) if not isinstance(data, bytes) else data)
         except OSError as exc:
-            raise self._storage._error(exc, "writing object", self._rel) from exc
+            raise self._storage.error(exc, "writing object", self._rel) from exc
 
     def close(self) -> None:
         try:
             self._f.close()
         except OSError as exc:
             self.abort()
-            raise self._storage._error(exc, "uploading object", self._rel) from exc
+            raise self._storage.error(exc, "uploading object", self._rel) from exc
 
     def abort(self) -> None:
         # Never let close() publish a partial object (failure-modes row 58): discard the upload.

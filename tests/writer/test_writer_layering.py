@@ -95,3 +95,20 @@ def test_no_writer_module_uses_another_modules_private_members() -> None:
 
 def test_writer_modules_import_each_other_without_a_cycle_not_even_under_type_checking() -> None:
     assert cycles(import_edges(_modules())) == []
+
+
+#: Private names of other libraries with no public spelling (torch keeps the default group's store private).
+FOREIGN_PRIVATE = {"dist.distributed_c10d._get_default_store"}
+
+
+def test_no_module_of_the_store_or_the_integrations_uses_another_modules_private_members() -> None:
+    """The same rule for ``ckptstore/`` and ``integrations/`` (issue 20: sink.py drove PosixStorage's
+    privates, posix.py imported sink's private buffer)."""
+    root = WRITER.parent
+    found = []
+    for package in ("ckptstore", "integrations"):
+        modules = {str(p.relative_to(root / package).with_suffix("")): ast.parse(p.read_text(encoding="utf-8"))
+                   for p in sorted((root / package).rglob("*.py"))}
+        found += [f.replace("writer/", f"{package}/", 1) for f in private_reaches(modules)
+                  if f.split(": ", 1)[1] not in FOREIGN_PRIVATE]
+    assert found == []
