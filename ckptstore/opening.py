@@ -14,7 +14,8 @@ from .errors import StorageError, StoreNotFound, UsageError
 from .latest import StoreIdentity
 from .options import StoreOptions
 from .protocol import now_iso
-from .ranks import DEFAULT_RANK_TIMEOUT, RankFailure, RankGroup, check_all_ok, outcome, store_namespace
+from .collective import Collective
+from .ranks import DEFAULT_RANK_TIMEOUT, RankGroup, store_namespace
 from .storage import Storage, open_storage, store_url
 
 Url = Union[str, "os.PathLike[str]", Storage]
@@ -67,41 +68,25 @@ def _open_ranks(url: str | Storage, ranks: RankGroup, *, create: bool, readonly:
                 options: StoreOptions | None) -> StoreCore:
     """The collective open's body: rank 0 opens as the writer (or every rank readonly), then the
     others join as participants; every rank raises if any failed."""
-    where = {"store": url.url if isinstance(url, Storage) else str(url)}
+    c = Collective(ranks, store=url.url if isinstance(url, Storage) else str(url))
     core: StoreCore | None = None
+
+    def open_as(role: Role) -> None:
+        nonlocal core
+        core = open_one(url, create=False, role=role, options=options)
+
+    def open_writer() -> None:
+        nonlocal core
+        core = open_core(url, create=create, readonly=False, options=options, group=None, rank_timeout=None,
+                         recover=True)
+
     try:
-        err: BaseException | None = None
         if readonly:
-            try:
-                core = open_one(url, create=False, role=Role.READER, options=options)
-            except BaseException as exc:  # noqa: BLE001 - every rank hears of it below
-                err = exc
-            msgs = ranks.exchange("open", outcome(err), **where)
-            if err is not None:
-                raise err
-            check_all_ok(msgs, "opening the store", **where)
-            assert core is not None
-            return core
-        if ranks.rank == 0:
-            try:
-                core = open_core(url, create=create, readonly=False, options=options, group=None, rank_timeout=None,
-                                 recover=True)
-            except BaseException as exc:  # noqa: BLE001
-                err = exc
-        first = ranks.exchange("open-writer", outcome(err), senders=[0], **where)[0]
-        if err is not None:
-            raise err
-        if not first["ok"]:
-            raise RankFailure(f"rank 0 could not open the store as its writer: {first['error']}", ranks=[0], **where)
-        if ranks.rank != 0:
-            try:
-                core = open_one(url, create=False, role=Role.PARTICIPANT, options=options)
-            except BaseException as exc:  # noqa: BLE001
-                err = exc
-        msgs = ranks.exchange("open-participants", outcome(err), **where)
-        if err is not None:
-            raise err
-        check_all_ok(msgs, "joining the store", **where)
+            c.all("open", lambda: open_as(Role.READER), doing="opening the store")
+        else:
+            c.coordinate("open-writer", open_writer, doing="to open the store as its writer")
+            c.all("open-participants", lambda: None if c.coordinator else open_as(Role.PARTICIPANT),
+                  doing="joining the store")
         assert core is not None
         return core
     except BaseException:

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from .errors import CutNotFound, UsageError
 from .info import CutInfo
-from .ranks import RankFailure, check_all_ok, outcome
+from .collective import Collective
 from . import spi
 from .store import Store
 
@@ -144,39 +144,27 @@ def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_locat
                    allowed_types: Sequence[type] | None, files_to: str | os.PathLike[str] | None) -> Resumed | None:
     ranks = store.ranks
     assert ranks is not None
-    where: dict[str, Any] = {"store": store.url}
-    info: CutInfo | None = None
-    skipped: dict[str, str] = {}
-    err: BaseException | None = None
-    if ranks.rank == 0:
-        try:
-            info, skipped = _choose(store, fallback)
-        except BaseException as exc:  # noqa: BLE001 - every rank hears of it
-            err = exc
-    chosen = ranks.exchange("restore-choose", {**outcome(err), "cut": info.id if info else None, "skipped": skipped},
-                            senders=[0], **where)[0]
-    if err is not None:
-        raise err
-    if not chosen["ok"]:
-        raise RankFailure(f"rank 0 could not choose the cut to resume from: {chosen['error']}", ranks=[0], **where)
+    c = Collective(ranks, store=store.url)
+
+    def choose() -> dict[str, Any]:
+        info, skipped = _choose(store, fallback)
+        return {"cut": info.id if info else None, "skipped": skipped}
+
+    chosen = c.coordinate("restore-choose", choose, doing="to choose the cut to resume from")
     if chosen["cut"] is None:
         return None
-    resumed: Resumed | None = None
-    try:
+    c.at(cut=chosen["cut"])
+
+    def restore_part() -> Resumed:
         m = store.manifest(chosen["cut"])
         if m.world_size != ranks.size:
             raise UsageError(f"cut {m.cut} holds {m.world_size} rank(s) but this job has {ranks.size}; a per-rank "
                              "restore needs the world size of the save (resharding needs the DCP reader)",
                              store=store.url, cut=m.cut)
-        resumed = _restore_part(store, CutInfo.from_manifest(m), dict(chosen["skipped"]), ranks.rank, objs,
-                                map_location, rng, allowed_types, files_to)
-    except BaseException as exc:  # noqa: BLE001
-        err = exc
-    msgs = ranks.exchange("restore-done", outcome(err), **where, cut=chosen["cut"])
-    if err is not None:
-        raise err
-    check_all_ok(msgs, f"restoring cut {chosen['cut']}", **where, cut=chosen["cut"])
-    return resumed
+        return _restore_part(store, CutInfo.from_manifest(m), dict(chosen["skipped"]), ranks.rank, objs,
+                             map_location, rng, allowed_types, files_to)
+
+    return c.all("restore-done", restore_part, doing=f"restoring cut {chosen['cut']}")
 
 
 def _restore_part(store: Store, info: CutInfo, skipped: dict[str, str], rank: int | None, objs: dict[str, Any],

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 from ckptstore import CutInfo, StepConflict, UsageError, layout
 from ckptstore.attached import FilesArg
+from ckptstore.collective import Collective
 from ckptstore.ranks import RankFailure, RankGroup, check_all_ok, check_same, outcome
 
 from .capture import Captured
@@ -70,19 +71,9 @@ class RankedCuts:
 
     def mark_final(self, mark: Callable[[], CutInfo]) -> CutInfo:
         """Collective ``mark_final``: rank 0 runs ``mark``; every rank returns its CutInfo or raises."""
-        err: BaseException | None = None
-        info: CutInfo | None = None
-        if self.ranks.rank == 0:
-            try:
-                info = mark()
-            except BaseException as exc:  # noqa: BLE001 - every rank hears of it below
-                err = exc
-        msgs = self.ranks.exchange("mark-final", {**outcome(err), "info": info.to_json() if info else None},
-                                   **self.where)
-        if err is not None:
-            raise err
-        check_all_ok(msgs, "marking the last cut final", **self.where)
-        return CutInfo.from_json(msgs[0]["info"])
+        return Collective(self.ranks, **self.where).coordinate(
+            "mark-final", mark, share=lambda i: {**i.to_json(), "metadata": i.metadata}, receive=CutInfo.from_json,
+            doing="to mark the last cut final")
 
     def _unreported(self) -> dict[str, Any] | None:
         h = self.cuts.first_unreported()
@@ -164,23 +155,13 @@ class RankedCuts:
     def _capture(self, handle: CutHandle, state: Any, *, allow_pickle: bool, files: FilesArg | None) -> Captured:
         """This rank's capture, then the ``captured`` exchange: a capture failed on any rank fails the
         cut on every rank, at this call."""
-        err: BaseException | None = None
-        captured: Captured | None = None
+        c = Collective(self.ranks, **self.where, cut=handle.id)
         try:
-            captured = self.pipeline.capture(handle, state, allow_pickle=allow_pickle, files=files)
-        except BaseException as exc:  # noqa: BLE001 - every rank hears of it below
-            err = exc
-        msgs = self.ranks.exchange("captured", outcome(err), **self.where)
-        if err is None:
-            try:
-                check_all_ok(msgs, f"capturing cut {handle.id}", cut=handle.id, **self.where)
-            except RankFailure as exc:
-                err = exc
-        if err is not None:
+            return c.all("captured", lambda: self.pipeline.capture(handle, state, allow_pickle=allow_pickle,
+                                                                   files=files), doing=f"capturing cut {handle.id}")
+        except BaseException as err:
             self.pipeline.capture_failed(handle, err)
-            raise err
-        assert captured is not None
-        return captured
+            raise
 
     def wait_committed(self, handle: CutHandle) -> CutInfo:
         """``cut(final=True)``: every rank waits for the outcome, which is the same on every rank."""
