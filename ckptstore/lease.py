@@ -98,11 +98,12 @@ class Lease:
                            hint=hint or "stop that writer, or open the store read-only")
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
-            started = time.monotonic()
+        wait = self.ttl_s / 3
+        while not self._stop.wait(wait):
+            at_once, wait = wait == 0.0, self.ttl_s / 3
             try:
-                self.tag = self.storage.put_if_match(layout.LEASE_FILE, self._doc(), self.tag)
-                self._renewed_at = started
+                if self._renew() and not at_once:  # once: a backend refusing its own tag must not spin
+                    wait = 0.0
             except ConditionFailed:
                 self.lost = True  # someone took over: this writer must not touch the store again
                 return
@@ -110,6 +111,38 @@ class Lease:
                 if time.monotonic() - self._renewed_at > self.ttl_s:
                     self.lost = True
                     return
+
+    def _renew(self) -> bool:
+        """One renewal. True when it found instead that an earlier renewal of ours landed though every
+        answer to it was lost (issue 24): the lease is still ours, and is renewed again at once on that
+        version; the renewal clock stays at the last renewal seen to land, no later than the unseen one.
+        Raises ``ConditionFailed`` when another writer holds the lease now."""
+        started = time.monotonic()
+        try:
+            self.tag = self.storage.put_if_match(layout.LEASE_FILE, self._doc(), self.tag)
+        except ConditionFailed:
+            tag = self._own_tag()
+            if tag is None:
+                raise
+            self.tag = tag
+            return True
+        self._renewed_at = started
+        return False
+
+    def _own_tag(self) -> str | None:
+        """The lease object's version tag when it still carries this writer's token, else None. The tag
+        is read first: only this writer writes its token, so if the token is there when read, so it
+        was when the tag was. An I/O error raises (the caller retries it as a transient error)."""
+        try:
+            tag, _ = self.storage.version(layout.LEASE_FILE)
+            doc = json.loads(self.storage.read_bytes(layout.LEASE_FILE))
+        except StorageError as exc:
+            if exc.errno == errno.ENOENT:
+                return None
+            raise
+        except ValueError:  # not JSON: someone else's object
+            return None
+        return tag if isinstance(doc, dict) and doc.get("token") == self.info["token"] else None
 
     def ensure_held(self) -> None:
         if self.lost or time.monotonic() - self._renewed_at > self.ttl_s:

@@ -242,12 +242,19 @@ class CommitProtocol:
             raise
 
     def _landed(self, cut: str) -> bool | None:
-        """After a failed replace: does LATEST name ``cut``? None when it cannot be read."""
+        """After a failed replace: does LATEST name ``cut``? None when it cannot be read. Where it does
+        on an object store, the PUT landed unseen (its answer and every retry lost): the next replace
+        must compare against that version, not the one before it, or the next commit of this handle
+        looks beaten by another writer (issue 24). The tag is read first: nobody else names this cut."""
         try:
+            tag = self._current_tag() if self._storage.capabilities.conditional_writes else None
             pointer = self._read_pointer()
         except CkptStoreError:
             return None
-        return pointer is not None and pointer.cut == cut
+        landed = pointer is not None and pointer.cut == cut
+        if landed and tag is not None:
+            self._latest_tag = tag
+        return landed
 
     def withdraw_manifest(self, cut: str) -> None:
         """Takes back the manifest of a cut that lost its commit to another writer (a stalled former

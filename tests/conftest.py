@@ -34,3 +34,13 @@ def s3_url(s3_server):
     opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": s3_server, "region_name": "us-east-1"},
             "skip_instance_cache": True}
     return f"s3://ckpt/run-{uuid.uuid4().hex[:8]}", opts
+
+
+@pytest.fixture()
+def s3_proxy(s3_server):
+    """A fault-injecting proxy (tests/s3proxy.py) in front of the moto server, with no rules yet: reach
+    it with ``s3_proxy.options(opts)`` on the options of ``s3_url`` (issue 24)."""
+    from s3proxy import FaultProxy
+
+    with FaultProxy(s3_server) as proxy:
+        yield proxy

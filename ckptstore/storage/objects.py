@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import datetime
 import errno
+import sys
 from typing import Any, BinaryIO
 
 import fsspec
 
+from ..errors import StorageError
 from .base import Capabilities, ConditionFailed, Entry, Sink, Storage, StorageSpec
 from .buffers import CHUNK
 
@@ -21,6 +23,15 @@ CONDITIONAL_PROTOCOLS = frozenset({"s3", "s3a"})
 PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
 
 
+def client_errors() -> tuple[type[BaseException], ...]:
+    """What an object-store call raises when the store could not be reached or answered badly: OSError,
+    and botocore's own errors where s3fs runs. Once botocore's retries and s3fs's are spent, a connection
+    closed, reset or timed out comes out of s3fs as a raw botocore exception, not an OSError: a LATEST
+    PUT that landed unseen then escaped as neither a StorageError nor CommitUnknown, and the save
+    abandoned the cut LATEST named (issue 24). Looked up, never imported: no botocore, no such errors."""
+    module = sys.modules.get("botocore.exceptions")
+    return (OSError,) if module is None else (OSError, module.BotoCoreError)
+
 
 class ObjectSink(Sink):
     def __init__(self, storage: "ObjectStorage", rel: str) -> None:
@@ -28,19 +39,19 @@ class ObjectSink(Sink):
         self._rel = rel
         try:
             self._f = storage.fs.open(storage._abs(rel), "wb")
-        except OSError as exc:
+        except client_errors() as exc:
             raise storage.error(exc, "creating object", rel) from exc
 
     def write(self, data: memoryview | bytes) -> None:
         try:
             self._f.write(bytes(data) if not isinstance(data, bytes) else data)
-        except OSError as exc:
+        except client_errors() as exc:
             raise self._storage.error(exc, "writing object", self._rel) from exc
 
     def close(self) -> None:
         try:
             self._f.close()
-        except OSError as exc:
+        except client_errors() as exc:
             self.abort()
             raise self._storage.error(exc, "uploading object", self._rel) from exc
 
@@ -75,6 +86,11 @@ class ObjectStorage(Storage):
             other_processes=not (PROCESS_LOCAL_PROTOCOLS & protocols),
         )
 
+    def _error(self, exc: BaseException, action: str, rel: str) -> StorageError:
+        if not isinstance(exc, OSError):  # a botocore error (client_errors): an I/O error of the store
+            exc = OSError(errno.EIO, f"{type(exc).__name__}: {exc}")
+        return super()._error(exc, action, rel)
+
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
 
@@ -86,37 +102,67 @@ class ObjectStorage(Storage):
     def write_durably(self, rel: str, data: bytes) -> None:
         try:
             self.fs.pipe_file(self._abs(rel), bytes(data))
-        except OSError as exc:
+        except client_errors() as exc:
             raise self._error(exc, "put", rel) from exc
 
+    # A conditional PUT whose first attempt landed but whose answer was lost (a reset, a read timeout)
+    # is retried by botocore and s3fs, and the retry fails its condition against our own write: the
+    # lease looked taken by this very writer, and a commit looked lost while LATEST named it (issue 24).
+    # So a failed condition re-reads the object: when its bytes are ours, byte for byte, the PUT landed.
+    # Callers' documents are unique to the write (a lease carries a token and a time, LATEST its cut and
+    # manifest digest), so equal bytes are this write, or one with the very outcome it asked for.
     def put_if_absent(self, rel: str, data: bytes) -> str:
         if not self.capabilities.conditional_writes:
             raise NotImplementedError(f"{type(self.fs).__name__} has no conditional writes")
+        data = bytes(data)
         try:
-            out = self.fs.pipe_file(self._abs(rel), bytes(data), mode="create")
+            out = self.fs.pipe_file(self._abs(rel), data, mode="create")
         except FileExistsError:
-            raise
-        except OSError as exc:
+            tag = self._tag_if_holds(rel, data)
+            if tag is None:
+                raise
+            return tag
+        except client_errors() as exc:
             raise self._error(exc, "conditional put", rel) from exc
         return str((out or {}).get("ETag", ""))
 
     def put_if_match(self, rel: str, data: bytes, tag: str) -> str:
         if not self.capabilities.conditional_writes:
             raise NotImplementedError(f"{type(self.fs).__name__} has no conditional writes")
+        data = bytes(data)
         try:
-            out = self.fs.pipe_file(self._abs(rel), bytes(data), IfMatch=tag)
+            out = self.fs.pipe_file(self._abs(rel), data, IfMatch=tag)
         except (FileNotFoundError, FileExistsError) as exc:
             raise ConditionFailed(str(exc)) from exc
         except OSError as exc:
-            if exc.errno == errno.EINVAL:  # s3fs maps 412 PreconditionFailed to EINVAL
+            if exc.errno != errno.EINVAL:  # s3fs maps 412 PreconditionFailed to EINVAL
+                raise self._error(exc, "conditional put", rel) from exc
+            ours = self._tag_if_holds(rel, data)
+            if ours is None:
                 raise ConditionFailed(str(exc)) from exc
+            return ours
+        except client_errors() as exc:
             raise self._error(exc, "conditional put", rel) from exc
         return str((out or {}).get("ETag", ""))
+
+    def _tag_if_holds(self, rel: str, data: bytes) -> str | None:
+        """The version tag of ``rel`` when it holds exactly ``data`` now, else None (also when it is
+        gone). The tag is read first: nobody writes these bytes after the PUT that failed its condition,
+        so if they are still there when read, the tag read before them is theirs. An I/O error raises
+        (``StorageError``): "could not look" is not "someone else's"."""
+        try:
+            tag, _ = self.version(rel)
+            held = self.read_bytes(rel)
+        except StorageError as exc:
+            if exc.errno == errno.ENOENT:
+                return None
+            raise
+        return tag if held == data else None
 
     def version(self, rel: str) -> tuple[str, float]:
         try:
             info = self.fs.info(self._abs(rel), refresh=True)
-        except OSError as exc:
+        except client_errors() as exc:
             raise self._error(exc, "head", rel) from exc
         modified = info.get("LastModified")
         age = 0.0
@@ -130,25 +176,25 @@ class ObjectStorage(Storage):
     def read_bytes(self, rel: str) -> bytes:
         try:
             return self.fs.cat_file(self._abs(rel))
-        except OSError as exc:
+        except client_errors() as exc:
             raise self._error(exc, "get", rel) from exc
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         try:
             return self.fs.cat_file(self._abs(rel), start=start, end=end)
-        except OSError as exc:
+        except client_errors() as exc:
             raise self._error(exc, "ranged get", rel) from exc
 
     def open_reader(self, rel: str) -> BinaryIO:
         try:
             return self.fs.open(self._abs(rel), "rb", block_size=CHUNK)
-        except OSError as exc:
+        except client_errors() as exc:
             raise self._error(exc, "opening object", rel) from exc
 
     def size(self, rel: str) -> int:
         try:
             return int(self.fs.size(self._abs(rel)))
-        except OSError as exc:
+        except client_errors() as exc:
             raise self._error(exc, "head", rel) from exc
 
     def exists(self, rel: str) -> bool:
@@ -162,9 +208,9 @@ class ObjectStorage(Storage):
                 self.fs.info(self._abs(rel))
             except FileNotFoundError:
                 return False
-            except OSError as exc:
+            except client_errors() as exc:
                 raise self._error(exc, "head", rel) from exc
-        except OSError as exc:
+        except client_errors() as exc:
             raise self._error(exc, "head", rel) from exc
         return True
 
@@ -175,7 +221,7 @@ class ObjectStorage(Storage):
             items = self.fs.ls(base, detail=True)
         except FileNotFoundError:
             return []
-        except OSError as exc:
+        except client_errors() as exc:
             raise self._error(exc, "listing", rel) from exc
         out = []
         for item in items:
@@ -193,7 +239,7 @@ class ObjectStorage(Storage):
             self.fs.rm_file(self._abs(rel))
         except FileNotFoundError:
             return
-        except OSError as exc:
+        except client_errors() as exc:
             raise self._error(exc, "delete", rel) from exc
 
     def remove_dir(self, rel: str) -> None:
@@ -204,7 +250,7 @@ class ObjectStorage(Storage):
                     self.fs.rmdir(self._abs(rel))
         except (FileNotFoundError, NotImplementedError):
             return
-        except OSError as exc:
+        except client_errors() as exc:
             raise self._error(exc, "removing prefix", rel) from exc
 
     def sync_dir(self, rel: str) -> None:

@@ -1,0 +1,137 @@
+"""Object-store faults through a fault-injecting proxy in front of the moto server (issue 24,
+tests/s3proxy.py): lost responses on conditional PUTs are recognised by re-reading, transient errors on
+plain PUTs are retried, and every test ends by checking the store through a direct, fault-free client."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from s3proxy import Rule
+
+import ckptstore
+from ckptstore import StoreOptions, layout, spi
+from ckptstore.protocol import CommitUnknown
+
+_ARRAYS = 4
+
+
+def _state(i: int) -> dict:
+    # 48 KB arrays in 64 KiB shards: one shard each, so a rule per shard key faults each shard's PUT.
+    return {"model": {f"w{k}": np.arange(12000, dtype=np.float32) * i + k for k in range(_ARRAYS)}, "step": i}
+
+
+def _options(opts: dict, **kw) -> StoreOptions:
+    return StoreOptions(storage_options=opts, max_shard_bytes=64 << 10, **kw)
+
+
+def _check(url: str, opts: dict, steps: list[int]) -> None:
+    """Every committed cut loads and verifies, LATEST names a cut with a manifest, nothing is recorded
+    bad and nothing is left over: seen by a client that does not go through the proxy."""
+    with ckptstore.Store.open(url, readonly=True, options=StoreOptions(storage_options=opts)) as store:
+        cls = spi.classify(store)
+        assert cls.latest_problem is None and cls.leftovers == [] and cls.bad == set()
+        assert [m.step for m in cls.committed] == steps
+        assert cls.latest is not None and cls.latest.step == steps[-1]
+        assert store.storage.exists(layout.manifest_path(cls.latest.cut))
+        assert store.storage.list_dir(layout.BAD_DIR) == []
+        assert store.verify().ok
+        for cut in cls.committed:
+            out = store.load(cut.cut)
+            assert out["step"] == cut.step
+            np.testing.assert_array_equal(out["model"]["w1"], _state(cut.step)["model"]["w1"])
+
+
+def _statuses(proxy, pattern: str) -> list[tuple[str | None, int]]:
+    return [(s.action, s.status) for s in proxy.requests("PUT", pattern)]
+
+
+def test_lost_response_on_the_latest_put_is_recognised_and_the_save_commits(s3_url, s3_proxy):
+    """The LATEST PUT lands, its answer is lost, the retry gets 412: before, the save raised
+    StoreLocked and took back its own manifest while LATEST named the cut (every later open failed).
+    LATEST's PUTs: 1 create (lost), 2 its retry, 3 the second save's replace (lost), 4 its retry."""
+    url, opts = s3_url
+    rule = s3_proxy.add(Rule("lost", method="PUT", key="*/LATEST", attempts={1, 3}))
+    with ckptstore.Store.open(url, create=True, options=_options(s3_proxy.options(opts))) as store:
+        for step in (1, 2, 3):  # the save after each lost answer commits too: the tag kept is LATEST's own
+            assert store.save(_state(step), step=step).step == step
+    assert rule.fired == 2
+    assert _statuses(s3_proxy, "*/LATEST") == [("lost", 200), (None, 412), ("lost", 200), (None, 412), (None, 200)]
+    _check(url, opts, [1, 2, 3])
+
+
+def test_latest_put_that_landed_unseen_after_every_retry_failed_leaves_the_next_save_working(s3_url, s3_proxy):
+    """Landed, then every retry reset before it reached the server: the outcome is unknown to the save
+    (CommitUnknown, the cut keeps its mark), but LATEST names the cut, so the handle must compare the
+    next replace against that version, not the one before (before: the next save raised StoreLocked)."""
+    url, opts = s3_url
+    s3_proxy.add(Rule("lost", method="PUT", key="*/LATEST", attempts={2}))
+    s3_proxy.add(Rule("reset_request", method="PUT", key="*/LATEST", attempts=set(range(3, 7))))
+    # No botocore retries: s3fs's own five (0.1 s to 0.5 s apart) are then all the retries there are.
+    proxied = s3_proxy.options(opts, retries={"max_attempts": 1})
+    with ckptstore.Store.open(url, create=True, options=_options(proxied)) as store:
+        store.save(_state(1), step=1)
+        with pytest.raises(CommitUnknown):
+            store.save(_state(2), step=2)
+        assert store.latest().step == 2
+        s3_proxy.clear()
+        store.save(_state(3), step=3)
+    _check(url, opts, [1, 2, 3])
+
+
+def test_lost_response_on_the_lease_create_opens_the_store(s3_url, s3_proxy):
+    """Before: Store.open raised StoreLocked naming this very writer."""
+    url, opts = s3_url
+    rule = s3_proxy.add(Rule("lost", method="PUT", key="*/.writer.lease", attempts={1}))
+    with ckptstore.Store.open(url, create=True, options=_options(s3_proxy.options(opts))) as store:
+        store.save(_state(1), step=1)
+    assert rule.fired == 1 and _statuses(s3_proxy, "*/.writer.lease")[:2] == [("lost", 200), (None, 412)]
+    # The lease went on close (its tag was the object's own), so the next writer opens at once.
+    ckptstore.Store.open(url, options=_options(opts)).close()
+    _check(url, opts, [1])
+
+
+def _renewed_after_refusal(proxy) -> bool:
+    seen = [status for action, status in _statuses(proxy, "*/.writer.lease") if action is None]
+    return 412 in seen and 200 in seen[seen.index(412) + 1:]
+
+
+@pytest.mark.parametrize("retries", ["retried", "exhausted"])
+def test_lost_response_on_a_lease_renewal_keeps_the_lease(s3_url, s3_proxy, retries):
+    """A renewal lands and its answer is lost; its retry (in the same call, or the next renewal once
+    every retry of the call failed) gets 412. Before, the writer took its lease for lost and stopped
+    renewing, and every later save raised StoreLocked."""
+    url, opts = s3_url
+    # Exhausted: s3fs's five tries take about 2 s, and the renewal clock stays at the create until the
+    # next renewal finds the lease still ours, so the ttl must outlast a renewal period plus those 2 s.
+    ttl = 2.0 if retries == "retried" else 6.0
+    s3_proxy.add(Rule("lost", method="PUT", key="*/.writer.lease", attempts={2}))  # the first renewal
+    proxied = s3_proxy.options(opts)
+    if retries == "exhausted":
+        s3_proxy.add(Rule("reset_request", method="PUT", key="*/.writer.lease", attempts=set(range(3, 7))))
+        proxied = s3_proxy.options(opts, retries={"max_attempts": 1})
+    with ckptstore.Store.open(url, create=True, options=_options(proxied, lease_ttl_s=ttl)) as store:
+        assert s3_proxy.wait_for(lambda: _renewed_after_refusal(s3_proxy), timeout=4 * ttl), \
+            f"no renewal after the refused one: {_statuses(s3_proxy, '*/.writer.lease')}"
+        store.save(_state(1), step=1)
+    _check(url, opts, [1])
+
+
+def test_transient_errors_on_plain_puts_are_retried_and_the_save_commits(s3_url, s3_proxy):
+    """503 SlowDown, 500, a reset mid-request and a lost answer, each on the first attempt of one
+    shard's PUT, and a stall past the read timeout on the retry of the first."""
+    url, opts = s3_url
+    shard = "*/cuts/*/rank00000-0000{}.safetensors"
+    rules = [Rule("slowdown", method="PUT", key=shard.format(0), attempts={1}),
+             Rule("internal", method="PUT", key=shard.format(1), attempts={1}),
+             Rule("reset_request", method="PUT", key=shard.format(2), attempts={1}, after_bytes=1000),
+             Rule("lost", method="PUT", key=shard.format(3), attempts={1}),
+             Rule("stall", method="PUT", key=shard.format(0), attempts={2}, stall_s=2.0)]  # slowdown's retry
+    for rule in rules:
+        s3_proxy.add(rule)
+    proxied = s3_proxy.options(opts, read_timeout=1.0)
+    with ckptstore.Store.open(url, create=True, options=_options(proxied)) as store:
+        info = store.save(_state(1), step=1)
+        assert [f.name for f in store.manifest(info.id).files] == [
+            layout.shard_name(0, k, compressed=False) for k in range(_ARRAYS)]
+    assert [r.fired for r in rules] == [1] * len(rules)
+    _check(url, opts, [1])
