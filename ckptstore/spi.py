@@ -17,17 +17,43 @@ Each function takes an open :class:`~ckptstore.store.Store`:
 
 The old ``Store`` methods of these names (``rank_part_for`` for ``rank_part`` with a rank) still work for
 one minor release, with a ``DeprecationWarning``.
+
+Below them, the store's parts the writer and the integrations build on, re-exported here so that they
+import this module (and ``ckptstore``'s user API, and ``ckptstore.errors``) and no other store module
+(tests/test_layering.py holds them to it): the records of a cut (``CutIntent``, ``ShardSpec``,
+``PendingCut``, ``RankPart``, the manifest's records), the state tree and its arrays, the shard
+streams, the storage seam's spec, the ranks and the ``Collective`` runner, the commit protocol and the
+rescue a writer process runs, the lock a writer process inherits, and verify's notice hook.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import cutting, opening, repairing
+from . import cutting, layout, opening, repairing
+from .arrays import ArrayItem, describe, empty_for, torch_dtype_name
+from .attached import AttachedFile, FilesArg, Source, close_sources, open_sources
+from .collective import Collective
+from .events import Emitter
+from .format import TORCH_DTYPES
+from .gcpause import pausing
 from .info import CutInfo
 from .intent import CutIntent, ShardSpec
+from .kinds import StrKind
+from .lock import InheritedLock
+from .manifest import FileRecord, Manifest, TensorRecord
+from .metachecks import NoticeKind
+from .metachecks import register as register_metadata_check
+from .models import StrictModel
 from .options import StoreOptions
 from .pending import PendingCut, RankPart
+from .protocol import CommitProtocol
+from .ranks import RankFailure, RankGroup, check_all_ok, check_same, outcome
+from .rescue import ensure_marked, finish_orphaned_cut
+from .retention import Policy
+from .shards import check_header_matches, read_header, read_shard_into, read_tensor_range, write_shards
+from .storage import Storage, StorageSpec, open_spec
+from .tree import Leaf, flatten, has_pickle, unflatten
 from .recovery import Classification
 from .shards import Codec
 from .store import Store, core_of
@@ -82,5 +108,21 @@ def open_participant(url: Any, options: StoreOptions | None = None) -> Store:
     return Store(opening.open_participant(url, options))
 
 
-__all__ = ["CutIntent", "PendingCut", "RankPart", "ShardSpec", "classify", "lock_handoff", "open_participant",
-           "point_latest", "rank_part", "record_bad", "shard_codec", "shard_spec"]
+__all__ = [
+    # the store's plumbing, as functions of an open Store
+    "classify", "lock_handoff", "open_participant", "point_latest", "rank_part", "record_bad", "shard_codec",
+    "shard_spec",
+    # a cut's records
+    "CutIntent", "PendingCut", "RankPart", "ShardSpec", "CutInfo", "FileRecord", "Manifest", "TensorRecord",
+    "AttachedFile", "FilesArg", "Source", "open_sources", "close_sources", "Policy",
+    # the state tree and its arrays
+    "Leaf", "flatten", "unflatten", "has_pickle", "ArrayItem", "describe", "empty_for", "torch_dtype_name",
+    "TORCH_DTYPES",
+    # shards, storage, the protocol, the rescue, the inherited lock
+    "write_shards", "read_header", "read_shard_into", "read_tensor_range", "check_header_matches", "Storage",
+    "StorageSpec", "open_spec", "CommitProtocol", "ensure_marked", "finish_orphaned_cut", "InheritedLock",
+    # ranks
+    "Collective", "RankFailure", "RankGroup", "check_all_ok", "check_same", "outcome",
+    # the rest
+    "Emitter", "pausing", "StrictModel", "StrKind", "NoticeKind", "register_metadata_check", "layout",
+]

@@ -48,7 +48,8 @@ from typing import Any, Iterable
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from ckptstore import CkptStoreError, CutInfo, Store, StoreOptions, UsageError, spi
+from ckptstore import CkptStoreError, CutInfo, Store, StoreOptions, UsageError
+from ckptstore import spi
 from ckptstore.errors import StepConflict, StoreNotFound
 
 log = logging.getLogger("ckptstore.integrations.lightning")

@@ -270,3 +270,16 @@ def test_no_import_cycle_across_the_packages_type_checking_imports_included() ->
 def test_type_checking_imports_are_the_counted_ones() -> None:
     found = {(m, d) for m, deps in _edges().items() for d, typing_only in deps.items() if typing_only}
     assert found == TYPE_CHECKING_EDGES, f"{len(found)} TYPE_CHECKING imports, {len(TYPE_CHECKING_EDGES)} counted"
+
+
+#: What the writer and the integrations may import of the store layer (issue 20: "one module they
+#: import, not 21 store modules"): the user API, the service interface and the exception tree.
+STORE_SURFACE = {"ckptstore", "ckptstore.spi", "ckptstore.errors"}
+
+
+def test_the_writer_and_the_integrations_reach_the_store_only_through_its_surface() -> None:
+    layer, graph = _layer_of(), _edges()
+    store_top = max(i for i, (name, _) in enumerate(LAYERS) if name == "cli")
+    reaches = sorted(f"{m} imports {d}" for m, deps in graph.items() if layer[m] > store_top
+                     for d in deps if layer[d] <= store_top and d not in STORE_SURFACE)
+    assert reaches == []

@@ -82,8 +82,17 @@ STORE_METHODS = ["begin_cut", "choose", "close", "cuts", "gc", "label", "labels"
 STORE_PROPERTIES = ["events", "options", "ranks", "readonly", "recovered", "role", "storage", "url"]
 
 #: What ``ckptstore.writer`` and ``ckptstore.integrations`` may use beyond the user API (issue 20).
-EXPECTED_SPI = ["CutIntent", "PendingCut", "RankPart", "ShardSpec", "classify", "lock_handoff",
-                "open_participant", "point_latest", "rank_part", "record_bad", "shard_codec", "shard_spec"]
+EXPECTED_SPI = [
+    "classify", "lock_handoff", "open_participant", "point_latest", "rank_part", "record_bad", "shard_codec",
+    "shard_spec", "CutIntent", "PendingCut", "RankPart", "ShardSpec", "CutInfo", "FileRecord", "Manifest",
+    "TensorRecord", "AttachedFile", "FilesArg", "Source", "open_sources", "close_sources", "Policy", "Leaf",
+    "flatten", "unflatten", "has_pickle", "ArrayItem", "describe", "empty_for", "torch_dtype_name",
+    "TORCH_DTYPES", "write_shards", "read_header", "read_shard_into", "read_tensor_range",
+    "check_header_matches", "Storage", "StorageSpec", "open_spec", "CommitProtocol", "ensure_marked",
+    "finish_orphaned_cut", "InheritedLock", "Collective", "RankFailure", "RankGroup", "check_all_ok",
+    "check_same", "outcome", "Emitter", "pausing", "StrictModel", "StrKind", "NoticeKind",
+    "register_metadata_check", "layout",
+]
 
 
 def test_store_public_face_is_the_user_api() -> None:

@@ -21,12 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ckptstore.arrays import torch_dtype_name
-from ckptstore.attached import AttachedFile, FilesArg, Source, close_sources, open_sources
-from ckptstore.format import TORCH_DTYPES
+from ckptstore.spi import torch_dtype_name
+from ckptstore.spi import AttachedFile, FilesArg, Source, close_sources, open_sources
+from ckptstore.spi import TORCH_DTYPES
 from ckptstore.errors import UnsupportedValue
-from ckptstore.tree import Leaf, flatten, has_pickle
-from ckptstore.gcpause import pausing
+from ckptstore.spi import Leaf, flatten, has_pickle
+from ckptstore.spi import pausing
 
 from .plan import BlockPlan, plan_block
 from .shm import Block

@@ -23,10 +23,11 @@ import sys
 import time
 from typing import Any, Sequence
 
-from ckptstore import CutInfo, JsonLinesFile, Policy, StepConflict, Store, StoreOptions, UsageError, layout
-from ckptstore.attached import FilesArg
-from ckptstore.collective import Collective
-from ckptstore.events import Emitter
+from ckptstore import CutInfo, JsonLinesFile, Policy, StepConflict, Store, StoreOptions, UsageError
+from ckptstore.spi import layout
+from ckptstore.spi import FilesArg
+from ckptstore.spi import Collective
+from ckptstore.spi import Emitter
 
 from .errors import WriterError
 from .handle import CutHandle, elapsed

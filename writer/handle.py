@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ckptstore.info import CutInfo
+from ckptstore.spi import CutInfo
 
 from .errors import IllegalTransition, WriterError
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from ckptstore.events import Emitter
+from ckptstore.spi import Emitter
 
 from .handle import CutHandle, elapsed
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from ckptstore.errors import UsageError
-from ckptstore.kinds import StrKind
-from ckptstore.retention import Policy
+from ckptstore.spi import StrKind
+from ckptstore.spi import Policy
 
 #: An argument not passed (``None`` is a value ``keep`` takes).
 UNSET: Any = object()

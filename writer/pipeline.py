@@ -28,13 +28,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ckptstore import CutInfo, Store, UsageError, spi
-from ckptstore.attached import FilesArg
-from ckptstore.collective import Collective
-from ckptstore.events import Emitter
-from ckptstore.manifest import FileRecord, TensorRecord
+from ckptstore import CutInfo, Store, UsageError
+from ckptstore import spi
+from ckptstore.spi import FilesArg
+from ckptstore.spi import Collective
+from ckptstore.spi import Emitter
+from ckptstore.spi import FileRecord, TensorRecord
 from ckptstore.spi import CutIntent, PendingCut, RankPart
-from ckptstore.storage import StorageSpec
+from ckptstore.spi import StorageSpec
 
 from . import protocol as P
 from .capture import Captured, Pinning, capture

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ckptstore.arrays import ArrayItem
+from ckptstore.spi import ArrayItem
 
 ALIGN = 4096
 

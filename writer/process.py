@@ -18,9 +18,8 @@ import time
 
 from typing import Any, Sequence
 
-import ckptstore.protocol  # noqa: F401 - defines CommitUnknown: see rebuild_error
 from ckptstore.errors import CkptStoreError, from_wire
-from ckptstore.storage import StorageSpec
+from ckptstore.spi import StorageSpec  # spi loads protocol, which defines CommitUnknown: see rebuild_error
 
 from . import protocol as P
 from .errors import WriterDied, WriterError, WriterTimeout

@@ -21,9 +21,9 @@ from typing import Any, Literal, Union
 from pydantic import Field, TypeAdapter
 
 from ckptstore.errors import CkptStoreError, wire_form
-from ckptstore.intent import CutIntent, ShardSpec
-from ckptstore.manifest import FileRecord, TensorRecord
-from ckptstore.models import StrictModel
+from ckptstore.spi import CutIntent, ShardSpec
+from ckptstore.spi import FileRecord, TensorRecord
+from ckptstore.spi import StrictModel
 
 from .plan import Slot
 

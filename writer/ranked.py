@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from ckptstore import CutInfo, StepConflict, UsageError, layout
-from ckptstore.attached import FilesArg
-from ckptstore.collective import Collective
-from ckptstore.ranks import RankFailure, RankGroup, check_all_ok, check_same, outcome
+from ckptstore import CutInfo, StepConflict, UsageError
+from ckptstore.spi import layout
+from ckptstore.spi import FilesArg
+from ckptstore.spi import Collective
+from ckptstore.spi import RankFailure, RankGroup, check_all_ok, check_same, outcome
 
 from .capture import Captured
 from .handle import CutHandle

@@ -32,11 +32,11 @@ import threading
 import time
 from typing import Any
 
-from ckptstore.gcpause import pausing
-from ckptstore.lock import InheritedLock
-from ckptstore.protocol import CommitProtocol
-from ckptstore.shards import write_shards
-from ckptstore.storage import Storage, StorageSpec, open_spec
+from ckptstore.spi import pausing
+from ckptstore.spi import InheritedLock
+from ckptstore.spi import CommitProtocol
+from ckptstore.spi import write_shards
+from ckptstore.spi import Storage, StorageSpec, open_spec
 
 from . import protocol as P
 from .shm import Block
@@ -160,7 +160,7 @@ class Worker:
         try:
             self.hold_lock()
             if req.rank == 0 and self.inherited is not None and req.finish is not None:
-                from ckptstore.rescue import ensure_marked
+                from ckptstore.spi import ensure_marked
 
                 ensure_marked(self.open_storage(), self.inherited.ensure_held, cut=req.cut, step=req.step,
                               mode=req.finish.mode)
@@ -175,7 +175,7 @@ class Worker:
         assert f is not None and self.storage is not None
         self.hold_lock()
         lock = self.inherited
-        from ckptstore.rescue import finish_orphaned_cut
+        from ckptstore.spi import finish_orphaned_cut
 
         def log(message: str) -> None:
             sys.stderr.write(f"ckptstore writer {os.getpid()}: {message}\n")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptstore.metachecks import NoticeKind, register
+from ckptstore.spi import NoticeKind, register_metadata_check as register
 
 #: The manifest ``metadata`` key that holds a DCP cut's ``Metadata`` as JSON (docs/dcp.md).
 METADATA_KEY = "ckptstore.dcp"

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptstore.errors import CorruptCut, DataError, UsageError
-from ckptstore.manifest import Manifest, TensorRecord
-from ckptstore.tree import unflatten
+from ckptstore.spi import Manifest, TensorRecord
+from ckptstore.spi import unflatten
 
 from .metadata import DCP_VERSION, ArrayLocation
 

@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptstore import CorruptCut, Store, StoreOptions, UsageError
-from ckptstore.arrays import empty_for
-from ckptstore.manifest import FileRecord, Manifest, TensorRecord
-from ckptstore.shards import check_header_matches, read_header, read_shard_into, read_tensor_range
+from ckptstore.spi import empty_for
+from ckptstore.spi import FileRecord, Manifest, TensorRecord
+from ckptstore.spi import check_header_matches, read_header, read_shard_into, read_tensor_range
 
 from .common import done, store_options
 from .metadata import METADATA_KEY, ArrayLocation, metadata_from_json

@@ -25,9 +25,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptstore import KeepLast, Policy, Store, StoreOptions, UsageError, layout, spi
-from ckptstore.arrays import ArrayItem, describe
-from ckptstore.tree import Leaf
+from ckptstore import KeepLast, Policy, Store, StoreOptions, UsageError
+from ckptstore import spi
+from ckptstore.spi import layout
+from ckptstore.spi import ArrayItem, describe
+from ckptstore.spi import Leaf
 
 from .common import done, store_options
 from .metadata import DCP_VERSION, METADATA_KEY, ArrayLocation, array_name, metadata_to_json
