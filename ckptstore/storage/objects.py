@@ -33,6 +33,72 @@ def client_errors() -> tuple[type[BaseException], ...]:
     return (OSError,) if module is None else (OSError, module.BotoCoreError)
 
 
+#: How often a read that failed in flight (a body cut short, a reset) is tried again from where it was.
+READ_ATTEMPTS = 3
+
+
+class ObjectReader:
+    """``open_reader``'s file: a read whose response failed in flight (a GET cut short, so the client's
+    checksum fails; a connection reset) is read again from the same offset on a fresh request, up to
+    ``READ_ATTEMPTS`` times, then raised as a ``StorageError`` naming the store, the cut and the file.
+    Only bytes that arrived whole are ever handed on, so a transient read fault is never taken for
+    damage (issue 24: botocore's ``FlexibleChecksumError`` escaped raw from ``load`` and ``verify``)."""
+
+    def __init__(self, storage: "ObjectStorage", rel: str) -> None:
+        self._storage = storage
+        self._rel = rel
+        self._f = self._open()
+        self.size = self._f.size
+        self._pos = 0
+
+    def _open(self) -> Any:
+        try:
+            return self._storage.fs.open(self._storage._abs(self._rel), "rb", block_size=CHUNK)
+        except client_errors() as exc:
+            raise self._storage.error(exc, "opening object", self._rel) from exc
+
+    def read(self, n: int = -1) -> bytes:
+        last: BaseException | None = None
+        for _ in range(READ_ATTEMPTS):
+            try:
+                data = self._f.read(n)
+            except client_errors() as exc:
+                last = exc
+                self._f.close()
+                self._f = self._open()  # the old file's buffer may hold what was cut short
+                self._f.seek(self._pos)
+                continue
+            self._pos += len(data)
+            return data
+        assert last is not None
+        raise self._storage.error(last, "reading object", self._rel) from last  # type: ignore[arg-type]
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = self._f.seek(offset, whence)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "ObjectReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class ObjectSink(Sink):
     def __init__(self, storage: "ObjectStorage", rel: str) -> None:
         self._storage = storage
@@ -186,10 +252,7 @@ class ObjectStorage(Storage):
             raise self._error(exc, "ranged get", rel) from exc
 
     def open_reader(self, rel: str) -> BinaryIO:
-        try:
-            return self.fs.open(self._abs(rel), "rb", block_size=CHUNK)
-        except client_errors() as exc:
-            raise self._error(exc, "opening object", rel) from exc
+        return ObjectReader(self, rel)  # type: ignore[return-value]
 
     def size(self, rel: str) -> int:
         try:

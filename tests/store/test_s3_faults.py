@@ -135,3 +135,36 @@ def test_transient_errors_on_plain_puts_are_retried_and_the_save_commits(s3_url,
             layout.shard_name(0, k, compressed=False) for k in range(_ARRAYS)]
     assert [r.fired for r in rules] == [1] * len(rules)
     _check(url, opts, [1])
+
+
+_SHARD1 = "*/cuts/*/rank00000-00001.safetensors"
+
+
+@pytest.mark.parametrize("action", ["short_body", "reset_response"])
+def test_a_get_cut_short_once_is_read_again_and_the_cut_loads(s3_url, s3_proxy, action):
+    """A shard's GET answered with a body cut short (its checksum then fails) or reset mid-body: read
+    again from the same offset; before, botocore's FlexibleChecksumError escaped raw from load."""
+    url, opts = s3_url
+    with ckptstore.Store.open(url, create=True, options=_options(opts)) as store:
+        store.save(_state(1), step=1)
+        store.save(_state(2), step=2)
+    rule = s3_proxy.add(Rule(action, method="GET", key=_SHARD1, times=1, after_bytes=100))
+    out = ckptstore.load(url, fallback=True, storage_options=s3_proxy.options(opts, read_timeout=2.0))
+    assert rule.fired == 1 and out["step"] == 2  # the good LATEST cut, not skipped for a transient fault
+    np.testing.assert_array_equal(out["model"]["w1"], _state(2)["model"]["w1"])
+    _check(url, opts, [1, 2])
+
+
+def test_a_get_cut_short_every_time_is_a_storage_error_and_no_cut_is_recorded_bad(s3_url, s3_proxy):
+    url, opts = s3_url
+    with ckptstore.Store.open(url, create=True, options=_options(opts)) as store:
+        store.save(_state(1), step=1)
+        store.save(_state(2), step=2)
+    s3_proxy.add(Rule("short_body", method="GET", key=_SHARD1, after_bytes=100))
+    proxied = s3_proxy.options(opts, read_timeout=2.0)
+    for fallback in (False, True):  # an I/O error proves nothing: raised, never a reason to skip the cut
+        with pytest.raises(ckptstore.StorageError) as ei:
+            ckptstore.load(url, fallback=fallback, storage_options=proxied)
+        assert ei.value.path is not None and ei.value.path.endswith("rank00000-00001.safetensors")
+        assert ei.value.cut is not None and ei.value.store is not None
+    _check(url, opts, [1, 2])
