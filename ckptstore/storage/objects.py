@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import errno
 import sys
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import fsspec
 
@@ -57,27 +57,29 @@ class ObjectReader:
         except client_errors() as exc:
             raise self._storage.error(exc, "opening object", self._rel) from exc
 
-    def read(self, n: int = -1) -> bytes:
+    def _again(self, step: Callable[[], Any], length: Callable[[Any], int]) -> Any:
+        """``step`` (one read), tried again from the same offset on a fresh file when it fails in flight."""
         last: BaseException | None = None
         for _ in range(READ_ATTEMPTS):
             try:
-                data = self._f.read(n)
+                got = step()
             except client_errors() as exc:
                 last = exc
                 self._f.close()
                 self._f = self._open()  # the old file's buffer may hold what was cut short
                 self._f.seek(self._pos)
                 continue
-            self._pos += len(data)
-            return data
+            self._pos += length(got)
+            return got
         assert last is not None
         raise self._storage.error(last, "reading object", self._rel) from last  # type: ignore[arg-type]
 
+    def read(self, n: int = -1) -> bytes:
+        return self._again(lambda: self._f.read(n), len)
+
     def readinto(self, buf: Any) -> int:
-        view = memoryview(buf).cast("B")
-        data = self.read(len(view))
-        view[: len(data)] = data
-        return len(data)
+        # Straight into the caller's buffer (no copy of every shard byte through a bytes object).
+        return self._again(lambda: self._f.readinto(buf) or 0, int)
 
     def seek(self, offset: int, whence: int = 0) -> int:
         self._pos = self._f.seek(offset, whence)
