@@ -5,6 +5,7 @@ one (moved out of store.py, issue 20). Every open returns a :class:`~ckptstore.c
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any, Union
 
 from . import layout
@@ -49,6 +50,10 @@ def _open_group(url: str | Storage, *, group: Any, rank_timeout: float | None, c
     name = url.url if isinstance(url, Storage) else str(url)
     ranks = RankGroup(group, rank_timeout=DEFAULT_RANK_TIMEOUT if rank_timeout is None else rank_timeout,
                       namespace=store_namespace(name), store=name)
+    # A rank stuck on storage must fail, named, before the others give up on it (issue 24): no
+    # object-store call of a rank outlasts the group's rank_timeout.
+    options = options or StoreOptions()
+    options = replace(options, io_deadline_s=options.io_policy().capped(ranks.rank_timeout).deadline())
     if ranks.size == 1:
         ranks.close()
         return open_core(url, create=create, readonly=readonly, options=options, group=None, rank_timeout=None,
@@ -100,7 +105,8 @@ def open_one(url: str | Storage, *, create: bool, role: Role, options: StoreOpti
     participant only check that a store is there."""
     options = options or StoreOptions()
     # A Storage instance is accepted as is: custom backends, and the power-loss simulator in tests.
-    storage = url if isinstance(url, Storage) else open_storage(url, storage_options=options.storage_options)
+    storage = url if isinstance(url, Storage) else open_storage(url, storage_options=options.storage_options,
+                                                                io=options.io_policy())
     if not storage.exists(layout.STORE_FILE):
         if not create or role is not Role.WRITER:
             raise StoreNotFound("no ckptstore store here", store=storage.url, path=layout.STORE_FILE,

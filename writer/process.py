@@ -74,7 +74,7 @@ class WriterProcess:
         if handoff.get("kind") == "flock" and lock_fd is None:
             handoff = {"kind": "none"}
         try:
-            P.send(self._req, P.OpenStore(url=spec.url, storage_options=spec.storage_options, lock=handoff))
+            P.send(self._req, P.OpenStore(url=spec.url, storage_options=spec.storage_options, io=spec.io, lock=handoff))
             if handoff.get("kind") == "flock":
                 P.send_fd(self._req, lock_fd)  # type: ignore[arg-type]
         except (P.ChannelClosed, OSError):

@@ -47,6 +47,7 @@ class OpenStore(StrictModel):
     kind: Literal["open"] = "open"
     url: str
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    io: dict[str, Any] | None = None  # the store's I/O policy (timeouts, retries, deadline; issue 24)
     lock: dict[str, Any] = Field(default_factory=dict)
 
 

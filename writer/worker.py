@@ -217,7 +217,7 @@ class Worker:
         self.send(P.Hello(pid=os.getpid(), nice=os.nice(0), modules_with_torch="torch" in sys.modules))
         while (msg := self.next_message()) is not None:
             if isinstance(msg, P.OpenStore):
-                self.spec, self.storage = StorageSpec(msg.url, msg.storage_options), None
+                self.spec, self.storage = StorageSpec(msg.url, msg.storage_options, msg.io), None
                 self.lock = dict(msg.lock)
             elif isinstance(msg, P.Marked):
                 if self.held is not None and self.held.cut == msg.cut:

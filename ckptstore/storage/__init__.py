@@ -12,19 +12,22 @@ or ``file://`` gives POSIX storage, any protocol nobody registered goes to fsspe
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Callable
 
 import fsspec
 
 from ..errors import UsageError
-from .base import Capabilities, ConditionFailed, Entry, MappedFile, Sink, Storage, StorageSpec
-from .objects import ObjectStorage
+from .base import Capabilities, ConditionFailed, Entry, MappedFile, Sink, Storage, StorageSpec, Upload
+from .objects import CONDITIONAL_PROTOCOLS, ObjectStorage
+from .retry import IoPolicy, IoStats, client_options
 from .posix import PosixStorage
 from .sink import PosixSink, buffer_address
 
-#: protocol -> factory(url, storage_options) for backends other than fsspec's default route.
-BackendFactory = Callable[[str, dict[str, Any]], Storage]
+#: protocol -> factory(url, storage_options) for backends other than fsspec's default route. A factory
+#: that also takes ``io`` (keyword) gets the store's I/O policy (:class:`.retry.IoPolicy`, issue 24).
+BackendFactory = Callable[..., Storage]
 _REGISTRY: dict[str, BackendFactory] = {}
 
 
@@ -33,17 +36,24 @@ def register_backend(protocol: str, factory: BackendFactory) -> None:
     _REGISTRY[protocol] = factory
 
 
-def _posix(url: str, storage_options: dict[str, Any]) -> Storage:
+def _posix(url: str, storage_options: dict[str, Any], io: IoPolicy | None = None) -> Storage:
     _, root = fsspec.core.url_to_fs(url)
     return PosixStorage(root)
 
 
-def _fsspec_objects(url: str, storage_options: dict[str, Any]) -> Storage:
-    fs, root = fsspec.core.url_to_fs(url, **storage_options)
+def _fsspec_objects(url: str, storage_options: dict[str, Any], io: IoPolicy | None = None) -> Storage:
+    io = io or IoPolicy()
+    protocol = url.split("://", 1)[0]
+    # On S3, botocore's own retries are off and its timeouts are the policy's: ObjectStorage retries
+    # (issue 24: s3fs's five retries of botocore's five stacked to about six minutes per call).
+    opts = client_options(storage_options, io) if protocol in CONDITIONAL_PROTOCOLS else storage_options
+    fs, root = fsspec.core.url_to_fs(url, **opts)
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     if "file" in protocols or "local" in protocols:
         return PosixStorage(root)
-    return ObjectStorage(fs, root, url, storage_options)
+    if hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs's own retry loop: one try, so ours is the only one
+    return ObjectStorage(fs, root, url, storage_options, io)
 
 
 register_backend("file", _posix)
@@ -63,23 +73,31 @@ def store_url(url: str | os.PathLike[str]) -> str:
     return text
 
 
-def open_storage(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> Storage:
+def open_storage(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None,
+                 io: IoPolicy | None = None) -> Storage:
     """The backend for ``url``: a plain path or ``file://`` gives POSIX storage, a registered protocol
-    its backend, any other fsspec URL an object store."""
+    its backend, any other fsspec URL an object store, whose calls run under ``io`` (default
+    :class:`IoPolicy()`)."""
     url = store_url(url)
     if "://" not in url:
         return PosixStorage(url)
     protocol = url.split("://", 1)[0]
-    factory = _REGISTRY.get(protocol, _fsspec_objects)
+    factory = _REGISTRY.get(protocol)
+    if factory is None:
+        return _fsspec_objects(url, dict(storage_options or {}), io)
+    if io is not None and "io" in inspect.signature(factory).parameters:
+        return factory(url, dict(storage_options or {}), io=io)
     return factory(url, dict(storage_options or {}))
 
 
 def open_spec(spec: StorageSpec) -> Storage:
     """The storage a :class:`StorageSpec` describes (the writer process opens its store this way)."""
-    return open_storage(spec.url, storage_options=spec.storage_options)
+    return open_storage(spec.url, storage_options=spec.storage_options,
+                        io=IoPolicy.from_json(spec.io) if spec.io is not None else None)
 
 
 __all__ = [
-    "Capabilities", "ConditionFailed", "Entry", "MappedFile", "Sink", "Storage", "StorageSpec", "ObjectStorage",
+    "Capabilities", "ConditionFailed", "Entry", "IoPolicy", "IoStats", "MappedFile", "Sink", "Storage", "StorageSpec",
+    "ObjectStorage", "Upload",
     "PosixStorage", "PosixSink", "buffer_address", "open_storage", "open_spec", "register_backend", "store_url",
 ]

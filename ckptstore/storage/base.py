@@ -46,14 +46,16 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class StorageSpec:
-    """Everything another process needs to reach the same storage: the URL and the fsspec
-    ``storage_options`` (endpoint, credentials). Travels as JSON, never on a command line."""
+    """Everything another process needs to reach the same storage: the URL, the fsspec
+    ``storage_options`` (endpoint, credentials) and, for object stores, the I/O policy's fields
+    (``io``: timeouts, retries, deadline; issue 24). Travels as JSON, never on a command line."""
 
     url: str
     storage_options: dict[str, Any] = field(default_factory=dict)
+    io: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"url": self.url, "storage_options": self.storage_options}
+        return {"url": self.url, "storage_options": self.storage_options, "io": self.io}
 
     def check_json(self) -> None:
         """Raises UsageError when the options cannot travel as JSON (a live object in them)."""
@@ -71,6 +73,16 @@ class Entry:
     name: str
     is_dir: bool
     size: int
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A multipart upload an object store holds open under the store (``Storage.list_uploads``): its
+    object's path, the server's id for it, and its age in seconds by the server's clock."""
+
+    rel: str
+    upload_id: str
+    age_s: float = 0.0
 
 
 def cut_of(rel: str) -> str | None:
@@ -219,3 +231,13 @@ class Storage(ABC):
         """The version tag of ``rel`` and its age in seconds by the storage's own clock of writes
         (now - last modified)."""
         raise NotImplementedError
+
+    # Uploads the server holds open (S3 multipart): ``gc`` and recovery list them and abort those no
+    # live writer is running (issue 24). Storages without them have none.
+    def list_uploads(self, rel: str = "") -> list[Upload]:
+        """The multipart uploads in progress under ``rel`` (every one, however many pages)."""
+        return []
+
+    def abort_upload(self, upload: Upload) -> None:
+        """Aborts ``upload``, freeing its parts; one already gone is not an error."""
+        return None

@@ -6,16 +6,21 @@ and a directory is only a key prefix. The commit never depends on renaming a dir
 
 from __future__ import annotations
 
+import base64
 import datetime
 import errno
-import sys
-from typing import Any, BinaryIO, Callable
+import hashlib
+from typing import Any, BinaryIO, Callable, TypeVar
 
 import fsspec
 
 from ..errors import StorageError
-from .base import Capabilities, ConditionFailed, Entry, Sink, Storage, StorageSpec
+from .base import Capabilities, ConditionFailed, Entry, Sink, Storage, StorageSpec, Upload
 from .buffers import CHUNK
+from .multipart import PART_BYTES, MultipartSink, abort_upload, list_uploads
+from .retry import IoPolicy, IoStats, ShortBody, WireMismatch, client_errors, run
+
+T = TypeVar("T")
 
 #: fsspec protocols whose PUTs take If-None-Match / If-Match (s3fs passes them through).
 CONDITIONAL_PROTOCOLS = frozenset({"s3", "s3a"})
@@ -23,66 +28,37 @@ CONDITIONAL_PROTOCOLS = frozenset({"s3", "s3a"})
 PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
 
 
-def client_errors() -> tuple[type[BaseException], ...]:
-    """What an object-store call raises when the store could not be reached or answered badly: OSError,
-    and botocore's own errors where s3fs runs. Once botocore's retries and s3fs's are spent, a connection
-    closed, reset or timed out comes out of s3fs as a raw botocore exception, not an OSError: a LATEST
-    PUT that landed unseen then escaped as neither a StorageError nor CommitUnknown, and the save
-    abandoned the cut LATEST named (issue 24). Looked up, never imported: no botocore, no such errors."""
-    module = sys.modules.get("botocore.exceptions")
-    return (OSError,) if module is None else (OSError, module.BotoCoreError)
-
-
-#: How often a read that failed in flight (a body cut short, a reset) is tried again from where it was.
-READ_ATTEMPTS = 3
-
-
 class ObjectReader:
-    """``open_reader``'s file: a read whose response failed in flight (a GET cut short, so the client's
-    checksum fails; a connection reset) is read again from the same offset on a fresh request, up to
-    ``READ_ATTEMPTS`` times, then raised as a ``StorageError`` naming the store, the cut and the file.
-    Only bytes that arrived whole are ever handed on, so a transient read fault is never taken for
-    damage (issue 24: botocore's ``FlexibleChecksumError`` escaped raw from ``load`` and ``verify``)."""
+    """``open_reader``'s file: ranged GETs of at most ``CHUNK`` bytes, each one call of
+    :meth:`ObjectStorage.read_range` (its own tries and deadline), so a GET cut short or reset is read
+    again from the same offset and only bytes that arrived whole are handed on: a transient read fault
+    is never taken for damage (issue 24: botocore's ``FlexibleChecksumError`` escaped raw from ``load``
+    and ``verify``). Once the tries are spent, a ``StorageError`` names the store, the cut and the file."""
 
     def __init__(self, storage: "ObjectStorage", rel: str) -> None:
         self._storage = storage
         self._rel = rel
-        self._f = self._open()
-        self.size = self._f.size
+        self.size = storage.size(rel)
         self._pos = 0
 
-    def _open(self) -> Any:
-        try:
-            return self._storage.fs.open(self._storage._abs(self._rel), "rb", block_size=CHUNK)
-        except client_errors() as exc:
-            raise self._storage.error(exc, "opening object", self._rel) from exc
-
-    def _again(self, step: Callable[[], Any], length: Callable[[Any], int]) -> Any:
-        """``step`` (one read), tried again from the same offset on a fresh file when it fails in flight."""
-        last: BaseException | None = None
-        for _ in range(READ_ATTEMPTS):
-            try:
-                got = step()
-            except client_errors() as exc:
-                last = exc
-                self._f.close()
-                self._f = self._open()  # the old file's buffer may hold what was cut short
-                self._f.seek(self._pos)
-                continue
-            self._pos += length(got)
-            return got
-        assert last is not None
-        raise self._storage.error(last, "reading object", self._rel) from last  # type: ignore[arg-type]
-
     def read(self, n: int = -1) -> bytes:
-        return self._again(lambda: self._f.read(n), len)
+        end = self.size if n is None or n < 0 else min(self.size, self._pos + n)
+        out = []
+        while self._pos < end:
+            piece = self._storage.read_exact(self._rel, self._pos, min(end, self._pos + CHUNK))
+            out.append(piece)
+            self._pos += len(piece)
+        return b"".join(out)
 
     def readinto(self, buf: Any) -> int:
-        # Straight into the caller's buffer (no copy of every shard byte through a bytes object).
-        return self._again(lambda: self._f.readinto(buf) or 0, int)
+        view = memoryview(buf).cast("B")
+        piece = self.read(min(len(view), CHUNK))
+        view[:len(piece)] = piece
+        return len(piece)
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = self._f.seek(offset, whence)
+        base = {0: 0, 1: self._pos, 2: self.size}[whence]
+        self._pos = max(0, base + offset)
         return self._pos
 
     def tell(self) -> int:
@@ -92,7 +68,7 @@ class ObjectReader:
         return True
 
     def close(self) -> None:
-        self._f.close()
+        return None
 
     def __enter__(self) -> "ObjectReader":
         return self
@@ -139,16 +115,25 @@ class ObjectSink(Sink):
 
 class ObjectStorage(Storage):
     """Any non-local fsspec file system. A PUT is atomic per object; there is no rename and no
-    directory, so ``write_durably`` is one PUT and ``sync_dir``/``make_dir`` are no-ops."""
+    directory, so ``write_durably`` is one PUT and ``sync_dir``/``make_dir`` are no-ops.
+
+    Every call runs under ``io`` (:mod:`.retry`: a timeout per request, jittered retries, a deadline)
+    and is counted in ``stats``. On S3, every PUT carries Content-MD5 and its answer's ETag is compared
+    with what was sent (:meth:`check_etag`), and shards go up as multipart uploads this class runs
+    itself (:mod:`.multipart`), so a part is retried alone and an upload is never left behind unseen."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, io: IoPolicy | None = None) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
         self.storage_options = dict(storage_options or {})
+        self.io = io or IoPolicy()
+        self.stats = IoStats()
         protocol = fs.protocol
         protocols = set(protocol if isinstance(protocol, (list, tuple)) else [protocol])
+        self.s3 = bool(CONDITIONAL_PROTOCOLS & protocols) and hasattr(fs, "call_s3")
+        self._async = bool(getattr(fs, "async_impl", False))
         self.capabilities = Capabilities(
             conditional_writes=bool(CONDITIONAL_PROTOCOLS & protocols),
             other_processes=not (PROCESS_LOCAL_PROTOCOLS & protocols),
@@ -162,29 +147,74 @@ class ObjectStorage(Storage):
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
 
+    def call(self, action: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` (a method of ``fs``) under the storage's I/O policy: each try cut off
+        after its timeout (fsspec's ``sync(timeout=)`` cancels the request), retried while transient."""
+        def attempt(timeout: float) -> T:
+            return fn(*args, timeout=timeout, **kwargs) if self._async else fn(*args, **kwargs)
+
+        return run(self.io, action, attempt, stats=self.stats)
+
+    def call_s3(self, action: str, method: str, **kwargs: Any) -> dict[str, Any]:
+        """One S3 API call (``method``, botocore's name) under the I/O policy (the multipart sink)."""
+        return self.call(action, self.fs.call_s3, method, kwargs)
+
+    def bucket_key(self, rel: str) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(self._abs(rel))
+        return bucket, key
+
+    def md5_headers(self, md5: Any) -> dict[str, str]:
+        """The Content-MD5 a real server checks the body against (S3 only; other file systems take none)."""
+        return {"ContentMD5": base64.b64encode(md5.digest()).decode()} if self.s3 else {}
+
+    def check_etag(self, answer: Any, want: str, rel: str, what: str = "object") -> None:
+        """Raises :class:`WireMismatch` when the server's ETag for what it stored is not ``want`` (the
+        MD5 hex of the bytes sent, or of a multipart upload's part MD5s): moto checks no Content-MD5."""
+        if not (self.s3 and self.io.check_etag):
+            return
+        got = str((answer or {}).get("ETag", "")).strip('"')
+        if got and got != want:
+            raise WireMismatch(f"the server stored {what} {rel} as ETag {got}, not the MD5 of the bytes sent "
+                               f"({want}): damaged in flight")
+
     def spec(self) -> StorageSpec | None:
         if not self.capabilities.other_processes:
             return None
-        return StorageSpec(self.url, self.storage_options)
+        return StorageSpec(self.url, self.storage_options, self.io.to_json())
 
     def write_durably(self, rel: str, data: bytes) -> None:
+        data = bytes(data)
+        if self.s3 and len(data) > PART_BYTES:
+            with self.open_sink(rel) as sink:  # a large manifest: in parts, each checked and retried
+                sink.write(data)
+            return
+        md5 = hashlib.md5(data)
+
+        def put(timeout: float) -> None:
+            kw = {"timeout": timeout} if self._async else {}
+            self.check_etag(self.fs.pipe_file(self._abs(rel), data, **self.md5_headers(md5), **kw), md5.hexdigest(), rel)
+
         try:
-            self.fs.pipe_file(self._abs(rel), bytes(data))
+            run(self.io, "put", put, stats=self.stats)
         except client_errors() as exc:
             raise self._error(exc, "put", rel) from exc
 
     # A conditional PUT whose first attempt landed but whose answer was lost (a reset, a read timeout)
-    # is retried by botocore and s3fs, and the retry fails its condition against our own write: the
-    # lease looked taken by this very writer, and a commit looked lost while LATEST named it (issue 24).
-    # So a failed condition re-reads the object: when its bytes are ours, byte for byte, the PUT landed.
-    # Callers' documents are unique to the write (a lease carries a token and a time, LATEST its cut and
+    # is retried, and the retry fails its condition against our own write: the lease looked taken by
+    # this very writer, and a commit looked lost while LATEST named it (issue 24). So a failed
+    # condition re-reads the object: when its bytes are ours, byte for byte, the PUT landed. Callers'
+    # documents are unique to the write (a lease carries a token and a time, LATEST its cut and
     # manifest digest), so equal bytes are this write, or one with the very outcome it asked for.
+    # A body damaged in flight (its ETag is not our MD5) landed too: it is ours, so it is replaced,
+    # on the condition that it is still that damaged version (``_repaired``).
     def put_if_absent(self, rel: str, data: bytes) -> str:
         if not self.capabilities.conditional_writes:
             raise NotImplementedError(f"{type(self.fs).__name__} has no conditional writes")
         data = bytes(data)
+        md5 = hashlib.md5(data)
         try:
-            out = self.fs.pipe_file(self._abs(rel), data, mode="create")
+            out = self.call("conditional put", self.fs.pipe_file, self._abs(rel), data, mode="create",
+                            **self.md5_headers(md5))
         except FileExistsError:
             tag = self._tag_if_holds(rel, data)
             if tag is None:
@@ -192,14 +222,16 @@ class ObjectStorage(Storage):
             return tag
         except client_errors() as exc:
             raise self._error(exc, "conditional put", rel) from exc
-        return str((out or {}).get("ETag", ""))
+        return self._repaired(rel, data, md5, out)
 
     def put_if_match(self, rel: str, data: bytes, tag: str) -> str:
         if not self.capabilities.conditional_writes:
             raise NotImplementedError(f"{type(self.fs).__name__} has no conditional writes")
         data = bytes(data)
+        md5 = hashlib.md5(data)
         try:
-            out = self.fs.pipe_file(self._abs(rel), data, IfMatch=tag)
+            out = self.call("conditional put", self.fs.pipe_file, self._abs(rel), data, IfMatch=tag,
+                            **self.md5_headers(md5))
         except (FileNotFoundError, FileExistsError) as exc:
             raise ConditionFailed(str(exc)) from exc
         except OSError as exc:
@@ -211,7 +243,23 @@ class ObjectStorage(Storage):
             return ours
         except client_errors() as exc:
             raise self._error(exc, "conditional put", rel) from exc
-        return str((out or {}).get("ETag", ""))
+        return self._repaired(rel, data, md5, out)
+
+    def _repaired(self, rel: str, data: bytes, md5: Any, out: Any, depth: int = 0) -> str:
+        tag = str((out or {}).get("ETag", ""))
+        try:
+            self.check_etag(out, md5.hexdigest(), rel)
+        except WireMismatch as exc:
+            if depth + 1 >= self.io.attempts:
+                raise self._error(exc, "conditional put", rel) from exc
+            self.stats.retried("conditional put")
+            try:  # the damaged version is ours: only it may be replaced
+                again = self.call("conditional put", self.fs.pipe_file, self._abs(rel), data, IfMatch=tag,
+                                  **self.md5_headers(md5))
+            except client_errors() as err:
+                raise self._error(err, "conditional put", rel) from err
+            return self._repaired(rel, data, md5, again, depth + 1)
+        return tag
 
     def _tag_if_holds(self, rel: str, data: bytes) -> str | None:
         """The version tag of ``rel`` when it holds exactly ``data`` now, else None (also when it is
@@ -229,7 +277,7 @@ class ObjectStorage(Storage):
 
     def version(self, rel: str) -> tuple[str, float]:
         try:
-            info = self.fs.info(self._abs(rel), refresh=True)
+            info = self.call("head", self.fs.info, self._abs(rel), refresh=True)
         except client_errors() as exc:
             raise self._error(exc, "head", rel) from exc
         modified = info.get("LastModified")
@@ -239,17 +287,31 @@ class ObjectStorage(Storage):
         return str(info.get("ETag", "")), age
 
     def open_sink(self, rel: str) -> Sink:
-        return ObjectSink(self, rel)
+        return MultipartSink(self, rel) if self.s3 else ObjectSink(self, rel)
 
     def read_bytes(self, rel: str) -> bytes:
         try:
-            return self.fs.cat_file(self._abs(rel))
+            return self.call("get", self.fs.cat_file, self._abs(rel))
         except client_errors() as exc:
             raise self._error(exc, "get", rel) from exc
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         try:
-            return self.fs.cat_file(self._abs(rel), start=start, end=end)
+            return self.call("ranged get", self.fs.cat_file, self._abs(rel), start=start, end=end)
+        except client_errors() as exc:
+            raise self._error(exc, "ranged get", rel) from exc
+
+    def read_exact(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of ``rel``, which holds them (its size said so): an answer with fewer was
+        cut short in flight and is read again (:class:`ShortBody`), never handed on as the object's."""
+        def get(timeout: float) -> bytes:
+            got = self.fs.cat_file(self._abs(rel), start=start, end=end, **({"timeout": timeout} if self._async else {}))
+            if len(got) != end - start:
+                raise ShortBody(f"a ranged GET of {end - start} bytes at {start} answered {len(got)}")
+            return got
+
+        try:
+            return run(self.io, "ranged get", get, stats=self.stats)
         except client_errors() as exc:
             raise self._error(exc, "ranged get", rel) from exc
 
@@ -258,32 +320,32 @@ class ObjectStorage(Storage):
 
     def size(self, rel: str) -> int:
         try:
-            return int(self.fs.size(self._abs(rel)))
+            return int(self.call("head", self.fs.size, self._abs(rel)))
         except client_errors() as exc:
             raise self._error(exc, "head", rel) from exc
 
     def exists(self, rel: str) -> bool:
         # fsspec's exists() answers False on any error; only "not found" may mean absent here.
         try:
-            self.fs.info(self._abs(rel), refresh=True)
+            try:
+                self.call("head", self.fs.info, self._abs(rel), refresh=True)
+            except TypeError:  # file systems whose info() takes no refresh
+                self.call("head", self.fs.info, self._abs(rel))
         except FileNotFoundError:
             return False
-        except TypeError:  # file systems whose info() takes no refresh
-            try:
-                self.fs.info(self._abs(rel))
-            except FileNotFoundError:
-                return False
-            except client_errors() as exc:
-                raise self._error(exc, "head", rel) from exc
         except client_errors() as exc:
             raise self._error(exc, "head", rel) from exc
         return True
 
     def list_dir(self, rel: str) -> list[Entry]:
         base = self._abs(rel)
-        try:
+
+        def listing(timeout: float) -> Any:
             self.fs.invalidate_cache(base)
-            items = self.fs.ls(base, detail=True)
+            return self.fs.ls(base, detail=True, **({"timeout": timeout} if self._async else {}))
+
+        try:
+            items = run(self.io, "listing", listing, stats=self.stats)
         except FileNotFoundError:
             return []
         except client_errors() as exc:
@@ -301,18 +363,21 @@ class ObjectStorage(Storage):
 
     def delete(self, rel: str, *, durable: bool = True) -> None:
         try:
-            self.fs.rm_file(self._abs(rel))
+            self.call("delete", self.fs.rm_file, self._abs(rel))
         except FileNotFoundError:
             return
         except client_errors() as exc:
             raise self._error(exc, "delete", rel) from exc
 
     def remove_dir(self, rel: str) -> None:
+        path = self._abs(rel)
+
+        def remove(timeout: float) -> None:
+            if self.fs.exists(path) and self.fs.isdir(path) and not self.fs.ls(path):
+                self.fs.rmdir(path)
+
         try:
-            if self.fs.exists(self._abs(rel)) and self.fs.isdir(self._abs(rel)):
-                left = self.fs.ls(self._abs(rel))
-                if not left:
-                    self.fs.rmdir(self._abs(rel))
+            run(self.io, "removing prefix", remove, stats=self.stats)
         except (FileNotFoundError, NotImplementedError):
             return
         except client_errors() as exc:
@@ -321,4 +386,9 @@ class ObjectStorage(Storage):
     def sync_dir(self, rel: str) -> None:
         return None
 
+    def list_uploads(self, rel: str = "") -> list[Upload]:
+        return list_uploads(self, rel) if self.s3 else []
 
+    def abort_upload(self, upload: Upload) -> None:
+        if self.s3:
+            abort_upload(self, upload)

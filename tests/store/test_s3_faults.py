@@ -65,10 +65,10 @@ def test_latest_put_that_landed_unseen_after_every_retry_failed_leaves_the_next_
     next replace against that version, not the one before (before: the next save raised StoreLocked)."""
     url, opts = s3_url
     s3_proxy.add(Rule("lost", method="PUT", key="*/LATEST", attempts={2}))
-    s3_proxy.add(Rule("reset_request", method="PUT", key="*/LATEST", attempts=set(range(3, 7))))
-    # No botocore retries: s3fs's own five (0.1 s to 0.5 s apart) are then all the retries there are.
-    proxied = s3_proxy.options(opts, retries={"max_attempts": 1})
-    with ckptstore.Store.open(url, create=True, options=_options(proxied)) as store:
+    # ckptstore's five tries (StoreOptions.io_attempts) are all there are: s3fs's and botocore's are off,
+    # and aiohttp sends a request again once when a kept-alive connection died, so ten requests.
+    s3_proxy.add(Rule("reset_request", method="PUT", key="*/LATEST", attempts=set(range(3, 13))))
+    with ckptstore.Store.open(url, create=True, options=_options(s3_proxy.options(opts))) as store:
         store.save(_state(1), step=1)
         with pytest.raises(CommitUnknown):
             store.save(_state(2), step=2)
@@ -101,14 +101,15 @@ def test_lost_response_on_a_lease_renewal_keeps_the_lease(s3_url, s3_proxy, retr
     every retry of the call failed) gets 412. Before, the writer took its lease for lost and stopped
     renewing, and every later save raised StoreLocked."""
     url, opts = s3_url
-    # Exhausted: s3fs's five tries take about 2 s, and the renewal clock stays at the create until the
-    # next renewal finds the lease still ours, so the ttl must outlast a renewal period plus those 2 s.
-    ttl = 2.0 if retries == "retried" else 6.0
+    # Exhausted: the five tries (io_attempts) take about 1.5 s of backoff, and the renewal clock stays at
+    # the create until the next renewal finds the lease still ours, so the ttl must outlast a renewal
+    # period plus those.
+    ttl = 2.0 if retries == "retried" else 10.0
     s3_proxy.add(Rule("lost", method="PUT", key="*/.writer.lease", attempts={2}))  # the first renewal
     proxied = s3_proxy.options(opts)
     if retries == "exhausted":
-        s3_proxy.add(Rule("reset_request", method="PUT", key="*/.writer.lease", attempts=set(range(3, 7))))
-        proxied = s3_proxy.options(opts, retries={"max_attempts": 1})
+        # every try of that renewal (aiohttp sends each twice on a kept-alive connection that died)
+        s3_proxy.add(Rule("reset_request", method="PUT", key="*/.writer.lease", attempts=set(range(3, 13))))
     with ckptstore.Store.open(url, create=True, options=_options(proxied, lease_ttl_s=ttl)) as store:
         assert s3_proxy.wait_for(lambda: _renewed_after_refusal(s3_proxy), timeout=4 * ttl), \
             f"no renewal after the refused one: {_statuses(s3_proxy, '*/.writer.lease')}"
