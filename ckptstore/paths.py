@@ -41,6 +41,17 @@ def refuse_symlinked_dirs(storage: Storage) -> None:
         raise _refused(storage, f"{layout.CUTS_DIR}/{linked[0]}", cut=linked[0])
 
 
+def refuse_symlinked_cut(storage: Storage, cut: str) -> None:
+    """:func:`refuse_symlinked_dirs` for the one cut a read names, without listing ``cuts/``: for a rank
+    other than 0 of a group, which reads a cut by name (issue 24). Two lstats on a local store."""
+    root = storage.local_path("")
+    if root is None:
+        return
+    for rel in (layout.CUTS_DIR, layout.cut_dir(cut)):
+        if _is_symlink(storage, os.path.join(root, *rel.split("/")), rel):
+            raise _refused(storage, rel, cut=None if rel == layout.CUTS_DIR else cut)
+
+
 def _is_symlink(storage: Storage, path: str, rel: str) -> bool:
     try:
         return stat.S_ISLNK(os.lstat(path).st_mode)

@@ -1,19 +1,32 @@
 """Reading a store back: a cut's state, its attached files, the cut to resume from, audits (moved out
-of store.py, issue 20). Every role may read."""
+of store.py, issue 20). Every role may read.
+
+Listing at scale (issue 24): a rank other than 0 of a group lists nothing to read LATEST's cut. It reads
+LATEST and the manifest LATEST names, two objects (:func:`pointed_manifest`), and a cut that rank 0
+named in a collective call by that name alone (:func:`named_manifest`); only rank 0 (and a handle of
+one process) classifies the store. Peers' incident: 512 ranks listing an object store at once were
+answered SlowDown and read the store as "0 checkpoints" (dlio_benchmark issue 347).
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any, Sequence
 
+from . import hashing, layout
 from .arrays import resolve_map_location
 from .attached import Restorer
 from .core import StoreCore
-from .errors import CutNotFound, HostileInput, UsageError
+from .errors import CutNotFound, DataError, HostileInput, LatestError, StorageError, UsageError
 from .events import log
+from .gcpause import pausing
 from .info import CutInfo
+from .latest import Pointer
 from .loader import load_manifest, restore_attached
 from .manifest import Manifest
+from .paths import refuse_symlinked_cut
+from .recovery import MAX_RESCANS
 from .repairing import record_bad_quietly
 from .selection import CutSelector, choose_cut, latest_manifest, select_manifest
 from .verify import Progress, VerifyReport, verify_store
@@ -27,6 +40,10 @@ def cuts(core: StoreCore) -> list[CutInfo]:
 
 def latest(core: StoreCore) -> CutInfo | None:
     """See :meth:`ckptstore.Store.latest`."""
+    if lists_nothing(core):
+        m = pointed_manifest(core)
+        if m is not None:
+            return CutInfo.from_manifest(m, marked_final=core.storage.exists(layout.final_path(m.cut)))
     cls = core.classify()
     m = latest_manifest(cls, core.url)
     return None if m is None else cls.info(m)
@@ -40,7 +57,14 @@ def load(core: StoreCore, cut: CutSelector, *, map_location: Any, verify: bool, 
         if info is None:
             raise CutNotFound("the store has no committed cut yet", store=core.url)
         cut = info.id
-    m = rank_manifest(core.manifest(cut), rank, core.url)
+    return load_part(core, rank_manifest(manifest(core, cut), rank, core.url), map_location=map_location,
+                     verify=verify, keys=keys, allow_pickle=allow_pickle, allowed_types=allowed_types)
+
+
+@pausing
+def load_part(core: StoreCore, m: Manifest, *, map_location: Any, verify: bool, keys: Sequence[str] | None,
+              allow_pickle: bool, allowed_types: Sequence[type] | None) -> Any:
+    """The state of one rank's part ``m`` of a committed cut (:func:`rank_manifest`), read as it is."""
     if m.pickled and not allow_pickle:
         raise HostileInput("cut holds pickled values; pass allow_pickle=True only if you trust it",
                            store=core.url, cut=m.cut)
@@ -54,11 +78,96 @@ def restore_files(core: StoreCore, cut: CutSelector, to: str | os.PathLike[str],
     """See :meth:`ckptstore.Store.restore_files`."""
     if rank is None and core.ranks is not None:
         rank = core.ranks.rank
-    m = rank_manifest(core.manifest(cut), rank, core.url)
+    return restore_part_files(core, rank_manifest(manifest(core, cut), rank, core.url), to, overwrite=overwrite,
+                              verify=verify)
+
+
+def restore_part_files(core: StoreCore, m: Manifest, to: str | os.PathLike[str], *, overwrite: bool,
+                       verify: bool) -> list[str]:
+    """The files attached to one rank's part ``m`` of a committed cut, back under ``to``."""
     where = {"store": core.url, "cut": m.cut}
     with Restorer(m.attached, os.fspath(to), overwrite=overwrite, where=where) as restorer:
         restore_attached(core.storage, m, restorer, verify=verify)
         return restorer.commit()
+
+
+def manifest(core: StoreCore, cut: CutSelector) -> Manifest:
+    """The manifest of a committed cut, for a read (:meth:`ckptstore.Store.manifest`): on a rank other
+    than 0 of a group, LATEST's from two single-object reads (:func:`pointed_manifest`); else, and for
+    every other selector, from the classification."""
+    if cut == "latest" and lists_nothing(core):
+        m = pointed_manifest(core)
+        if m is not None:
+            return m
+    return core.manifest(cut)
+
+
+def lists_nothing(core: StoreCore) -> bool:
+    """Whether this handle is a rank other than 0 of a group, which leaves listing to rank 0 (issue 24)."""
+    return core.ranks is not None and core.ranks.rank != 0
+
+
+def pointed_manifest(core: StoreCore) -> Manifest | None:
+    """LATEST's manifest, read without a listing: LATEST, then the manifest it names (the scan's order),
+    whose bytes must hash to what LATEST records: the classification's own test of a healthy LATEST
+    (a valid manifest that LATEST names is committed, whatever marks say), with its words when it
+    fails. None when there is no LATEST: only a listing tells an empty store from one that lost it."""
+    where = {"store": core.url, "path": layout.LATEST_FILE}
+    hint = f"run `ckptstore repair {core.url}`"
+    for _ in range(MAX_RESCANS):
+        data = _read_or_none(core, layout.LATEST_FILE)
+        if data is None:
+            return None
+        try:
+            pointer = Pointer.from_bytes(data, **where)
+        except DataError as exc:
+            raise LatestError(f"LATEST is unreadable: {exc.message}", hint=hint, **where) from exc
+        refuse_symlinked_cut(core.storage, pointer.cut)
+        mpath = layout.manifest_path(pointer.cut)
+        body = _read_or_none(core, mpath)
+        if body is None:
+            if _read_or_none(core, layout.LATEST_FILE) != data:
+                continue  # LATEST moved on and a prune took the cut it named meanwhile: read again
+            raise LatestError(f"LATEST names {pointer.cut}, which is not a committed cut", hint=hint, **where)
+        try:
+            m = _parse_manifest(core, pointer.cut, body)
+        except DataError as exc:
+            raise LatestError(f"LATEST names {pointer.cut}, whose manifest is damaged ({mpath}: {exc.message})",
+                              hint=hint, **where) from exc
+        if hashing.digest(body) != pointer.manifest_blake3:
+            raise LatestError(f"LATEST's manifest hash does not match {pointer.cut}'s manifest", hint=hint, **where)
+        return m
+    raise LatestError(f"LATEST moved {MAX_RESCANS} times while it was read", hint="read again", **where)
+
+
+def named_manifest(core: StoreCore, cut: str) -> Manifest:
+    """The manifest of ``cut``, which rank 0 classified as committed and named in a collective call
+    (restore's choice), read as one object: the rank takes rank 0's word for it (issue 24)."""
+    layout.check_cut_id(cut, store=core.url)
+    refuse_symlinked_cut(core.storage, cut)
+    body = _read_or_none(core, layout.manifest_path(cut))
+    if body is None:
+        raise CutNotFound("no such committed cut (removed since rank 0 chose it)", store=core.url, cut=cut)
+    return _parse_manifest(core, cut, body)
+
+
+def _parse_manifest(core: StoreCore, cut: str, body: bytes) -> Manifest:
+    mpath = layout.manifest_path(cut)
+    m = Manifest.from_bytes(body, cut=cut, path=mpath, store=core.url)
+    if m.cut != cut:
+        raise DataError(f"manifest names cut {m.cut!r} but lives in {cut!r}", store=core.url, cut=cut, path=mpath)
+    return m
+
+
+def _read_or_none(core: StoreCore, rel: str) -> bytes | None:
+    """The bytes of one of the store's small files; None when it is absent. Any other error is raised:
+    "cannot tell" never reads as "absent"."""
+    try:
+        return core.storage.read_bytes(rel)
+    except StorageError as exc:
+        if exc.errno == errno.ENOENT:
+            return None
+        raise
 
 
 def choose(core: StoreCore, *, fallback: bool) -> tuple[CutInfo | None, dict[str, str]]:
@@ -92,4 +201,5 @@ def rank_manifest(m: Manifest, rank: int | None, url: str) -> Manifest:
         raise UsageError(str(exc), store=url, cut=m.cut) from None
 
 
-__all__ = ["choose", "cuts", "latest", "load", "rank_manifest", "restore_files", "verify"]
+__all__ = ["choose", "cuts", "latest", "lists_nothing", "load", "load_part", "manifest", "named_manifest",
+           "pointed_manifest", "rank_manifest", "restore_files", "restore_part_files", "verify"]

@@ -18,8 +18,9 @@ from typing import Any, Sequence
 from .errors import CutNotFound, UsageError
 from .info import CutInfo
 from .collective import Collective
-from . import spi
-from .store import Store
+from . import reading, spi
+from .manifest import Manifest
+from .store import Store, core_of
 
 
 def capture_rng() -> dict[str, Any]:
@@ -118,7 +119,8 @@ def restore(
             info, skipped = _choose(store, fallback)
             if info is None:
                 return None
-            return _restore_part(store, info, skipped, None, objs, map_location, rng, allowed_types, files_to)
+            m = reading.named_manifest(core_of(store), info.id)
+            return _restore_part(store, m, info, skipped, None, objs, map_location, rng, allowed_types, files_to)
         with store.ranks.busy():  # beating while rank 0 chooses (fallback verifies) and each rank loads
             return _restore_ranks(store, fallback, objs, map_location, rng, allowed_types, files_to)
     finally:
@@ -156,24 +158,31 @@ def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_locat
     c.at(cut=chosen["cut"])
 
     def restore_part() -> Resumed:
-        m = store.manifest(chosen["cut"])
+        # Rank 0 classified the store to choose the cut; every rank reads the one manifest it named, so
+        # no other rank lists the store (issue 24).
+        m = reading.named_manifest(core_of(store), chosen["cut"])
         if m.world_size != ranks.size:
             raise UsageError(f"cut {m.cut} holds {m.world_size} rank(s) but this job has {ranks.size}; a per-rank "
                              "restore needs the world size of the save (resharding needs the DCP reader)",
                              store=store.url, cut=m.cut)
-        return _restore_part(store, CutInfo.from_manifest(m), dict(chosen["skipped"]), ranks.rank, objs,
+        return _restore_part(store, m, CutInfo.from_manifest(m), dict(chosen["skipped"]), ranks.rank, objs,
                              map_location, rng, allowed_types, files_to)
 
     return c.all("restore-done", restore_part, doing=f"restoring cut {chosen['cut']}")
 
 
-def _restore_part(store: Store, info: CutInfo, skipped: dict[str, str], rank: int | None, objs: dict[str, Any],
-                  map_location: Any, rng: bool, allowed_types: Sequence[type] | None,
+def _restore_part(store: Store, m: Manifest, info: CutInfo, skipped: dict[str, str], rank: int | None,
+                  objs: dict[str, Any], map_location: Any, rng: bool, allowed_types: Sequence[type] | None,
                   files_to: str | os.PathLike[str] | None = None) -> Resumed:
+    """Restores this rank's part of the chosen cut ``m`` (its manifest, read once: no rank classifies
+    the store again to find it)."""
     from .dtensors import node_at, restore_into
 
-    part = store.manifest(info.id).for_rank(rank or 0)
-    state = store.load(info.id, map_location=map_location, rank=rank, allowed_types=allowed_types)
+    core = core_of(store)
+    mine = reading.rank_manifest(m, rank, store.url)  # what load(rank=rank) reads
+    part = m.for_rank(rank or 0)
+    state = reading.load_part(core, mine, map_location=map_location, verify=True, keys=None, allow_pickle=False,
+                              allowed_types=allowed_types)
     where = {"store": store.url, "cut": info.id}
     for key, obj in objs.items():
         if obj is not None:
@@ -186,6 +195,6 @@ def _restore_part(store: Store, info: CutInfo, skipped: dict[str, str], rank: in
     if rng and isinstance(state, dict) and "rng" in state:
         restore_rng(state["rng"])
     if files_to is not None:
-        store.restore_files(info.id, to=files_to, rank=rank)
+        reading.restore_part_files(core, mine, files_to, overwrite=True, verify=True)
     return Resumed(cut=info, step=int(state.get("step", info.step)), extra=dict(state.get("extra", {})),
                    state=state, skipped=skipped)

@@ -178,7 +178,7 @@ class Store:
 
     def manifest(self, cut: CutSelector = "latest") -> Manifest:
         """The manifest of a committed cut: "latest", a cut id, or an int step."""
-        return self._core.manifest(cut)
+        return reading.manifest(self._core, cut)
 
     @pausing
     def load(

@@ -81,6 +81,10 @@ class Checkpointer:
         self.store, self._owns_store = _open_store(url_or_store, store_options, group, rank_timeout)
         try:
             spec = writer_spec(self.store, options.mode)
+            if self.store.ranks is None or self.store.ranks.rank == 0:
+                # A broken LATEST fails here, not at the first cut. Only rank 0 reads the store; the
+                # others hear of its failure in the ready exchange (issue 24: only rank 0 lists).
+                self.store.latest()
         except BaseException as exc:
             if self.store.ranks is not None:
                 agree_ready(self.store.ranks, exc, {"store": self.store.url})
@@ -89,7 +93,6 @@ class Checkpointer:
             raise
         self._jsonl = JsonLinesFile(options.events_path) if options.events_path else None
         self.events = Emitter(self.store.url, self._fan_out)
-        self.store.latest()  # a broken LATEST fails here, not at the first cut
         #: How each cut's steps run over the ranks (world size 1: plain calls): one pipeline for both.
         self.collective = Collective(self.store.ranks, store=self.store.url)
         self._pipeline = CommitPipeline(self.store, options, self.collective, self.events, spec)
