@@ -143,3 +143,29 @@ def wait_until_writable(url: str, opts: dict, *, within: float) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def test_a_rank_whose_uploads_stall_is_a_named_failure_on_both_ranks_within_rank_timeout(tmp_path, s3_url, s3_proxy):
+    """Issue 24: rank 1's shard PUTs of the second save stall forever (the proxy holds them). Its calls
+    are capped at rank_timeout (StoreOptions.io_* deadline, capped in a group), so it fails naming the
+    file, rank 0 fails naming rank 1, both within rank_timeout; LATEST stays, and the next save of both
+    ranks commits. Before, botocore's 60 s read timeout under s3fs's and botocore's stacked retries kept
+    rank 1 retrying for minutes while its heartbeat held rank 0 waiting."""
+    from s3proxy import Rule
+
+    url, opts = s3_url
+    rank_timeout = 6.0
+    rule = s3_proxy.add(Rule("stall", method="PUT", key="*/cuts/step-000000000002-*/rank00001-*", stall_s=120.0))
+    res = run_job(str(tmp_path / "out"), 2, "kill", url=url, rank_timeout=rank_timeout,
+                  storage_options=s3_proxy.options(opts), timeout=120)
+    r0, r1 = res[0].result, res[1].result
+    assert r0 and r1, describe(res)
+    assert rule.fired >= 1
+    assert r1["error_type"] in ("StorageError", "RankFailure") and "rank00001-" in r1["error"], describe(res)
+    assert r0["error_type"] == "RankFailure" and r0["failed_ranks"] == [1] and "rank00001-" in r0["error"], describe(res)
+    # Within rank_timeout of the stall, plus the save's own work and a loaded machine's slack.
+    assert r0["seconds"] < rank_timeout + 8 and r1["seconds"] < rank_timeout + 8, describe(res)
+    assert "next_error" not in r0 and "next_error" not in r1, describe(res)
+    with ckptstore.Store.open(url, readonly=True, options=ckptstore.StoreOptions(storage_options=opts)) as store:
+        assert [c.step for c in store.cuts()] == [1, 3]
+        assert store.verify().ok
