@@ -44,3 +44,9 @@ def s3_proxy(s3_server):
 
     with FaultProxy(s3_server) as proxy:
         yield proxy
+
+
+def pytest_addoption(parser):
+    # The object-store soak runs about a minute in CI; pass more to soak longer (issue 24).
+    parser.addoption("--soak-seconds", type=float, default=60.0,
+                     help="how long tests/writer/test_s3_soak.py cuts through the fault proxy (default 60)")
