@@ -169,3 +169,23 @@ def test_a_get_cut_short_every_time_is_a_storage_error_and_no_cut_is_recorded_ba
         assert ei.value.path is not None and ei.value.path.endswith("rank00000-00001.safetensors")
         assert ei.value.cut is not None and ei.value.store is not None
     _check(url, opts, [1, 2])
+
+
+@pytest.mark.parametrize("action", ["lost", "slowdown", "reset_request"])
+def test_a_faulted_manifest_or_mark_put_is_retried_and_commits_one_manifest(s3_url, s3_proxy, action):
+    """A retried manifest PUT sends the same bytes (a plain PUT replaces): one manifest, the one LATEST
+    records the digest of; the mark's PUT likewise (issue 24, "a retried manifest PUT must not commit
+    twice or commit a different manifest")."""
+    url, opts = s3_url
+    rules = [s3_proxy.add(Rule(action, method="PUT", key="*/MANIFEST.json", attempts={1, 2})),
+             s3_proxy.add(Rule(action, method="PUT", key="*/marks/*", attempts={1}))]
+    with ckptstore.Store.open(url, create=True, options=_options(s3_proxy.options(opts))) as store:
+        info = store.save(_state(1), step=1)
+    assert [r.fired for r in rules] == [2, 1]
+    with ckptstore.Store.open(url, readonly=True, options=StoreOptions(storage_options=opts)) as store:
+        cls = spi.classify(store)
+        body = store.storage.read_bytes(layout.manifest_path(info.id))
+        from ckptstore import hashing
+
+        assert cls.latest.manifest_blake3 == hashing.digest(body)
+    _check(url, opts, [1])
