@@ -19,6 +19,7 @@ from .lock import WriterLock
 from .manifest import Manifest
 from .options import StoreOptions
 from .pending import COMMITTED, PendingCut
+from .pointed import pointed_manifest
 from .protocol import CommitProtocol
 from .ranks import RankGroup
 from .recovery import Classification, Leftover, ManifestCache, classify_now
@@ -103,7 +104,12 @@ class StoreCore:
 
     def check_step(self, step: int) -> None:
         layout.check_step(step, store=self.url)
-        latest = latest_manifest(self.classify(), self.url)
+        # LATEST and the manifest it names, two reads, checked as the classification checks them; only
+        # a store without LATEST is classified (issue 24: every save listed the whole store and read
+        # every manifest, O(cuts) requests per save on an object store).
+        latest = pointed_manifest(self.storage, self.url)
+        if latest is None:
+            latest = latest_manifest(self.classify(), self.url)
         if latest is not None and step <= latest.step:
             raise StepConflict(
                 f"step {step} is not above the committed LATEST step {latest.step}", store=self.url,

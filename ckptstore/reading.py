@@ -10,23 +10,19 @@ answered SlowDown and read the store as "0 checkpoints" (dlio_benchmark issue 34
 
 from __future__ import annotations
 
-import errno
 import os
 from typing import Any, Sequence
 
-from . import hashing, layout
+from . import layout, pointed
 from .arrays import resolve_map_location
 from .attached import Restorer
 from .core import StoreCore
-from .errors import CutNotFound, DataError, HostileInput, LatestError, StorageError, UsageError
+from .errors import CutNotFound, HostileInput, UsageError
 from .events import log
 from .gcpause import pausing
 from .info import CutInfo
-from .latest import Pointer
 from .loader import load_manifest, restore_attached
 from .manifest import Manifest
-from .paths import refuse_symlinked_cut
-from .recovery import MAX_RESCANS
 from .repairing import record_bad_quietly
 from .selection import CutSelector, choose_cut, latest_manifest, select_manifest
 from .verify import Progress, VerifyReport, verify_store
@@ -108,66 +104,13 @@ def lists_nothing(core: StoreCore) -> bool:
 
 
 def pointed_manifest(core: StoreCore) -> Manifest | None:
-    """LATEST's manifest, read without a listing: LATEST, then the manifest it names (the scan's order),
-    whose bytes must hash to what LATEST records: the classification's own test of a healthy LATEST
-    (a valid manifest that LATEST names is committed, whatever marks say), with its words when it
-    fails. None when there is no LATEST: only a listing tells an empty store from one that lost it."""
-    where = {"store": core.url, "path": layout.LATEST_FILE}
-    hint = f"run `ckptstore repair {core.url}`"
-    for _ in range(MAX_RESCANS):
-        data = _read_or_none(core, layout.LATEST_FILE)
-        if data is None:
-            return None
-        try:
-            pointer = Pointer.from_bytes(data, **where)
-        except DataError as exc:
-            raise LatestError(f"LATEST is unreadable: {exc.message}", hint=hint, **where) from exc
-        refuse_symlinked_cut(core.storage, pointer.cut)
-        mpath = layout.manifest_path(pointer.cut)
-        body = _read_or_none(core, mpath)
-        if body is None:
-            if _read_or_none(core, layout.LATEST_FILE) != data:
-                continue  # LATEST moved on and a prune took the cut it named meanwhile: read again
-            raise LatestError(f"LATEST names {pointer.cut}, which is not a committed cut", hint=hint, **where)
-        try:
-            m = _parse_manifest(core, pointer.cut, body)
-        except DataError as exc:
-            raise LatestError(f"LATEST names {pointer.cut}, whose manifest is damaged ({mpath}: {exc.message})",
-                              hint=hint, **where) from exc
-        if hashing.digest(body) != pointer.manifest_blake3:
-            raise LatestError(f"LATEST's manifest hash does not match {pointer.cut}'s manifest", hint=hint, **where)
-        return m
-    raise LatestError(f"LATEST moved {MAX_RESCANS} times while it was read", hint="read again", **where)
+    """LATEST's manifest from two single-object reads (:func:`ckptstore.pointed.pointed_manifest`)."""
+    return pointed.pointed_manifest(core.storage, core.url)
 
 
 def named_manifest(core: StoreCore, cut: str) -> Manifest:
-    """The manifest of ``cut``, which rank 0 classified as committed and named in a collective call
-    (restore's choice), read as one object: the rank takes rank 0's word for it (issue 24)."""
-    layout.check_cut_id(cut, store=core.url)
-    refuse_symlinked_cut(core.storage, cut)
-    body = _read_or_none(core, layout.manifest_path(cut))
-    if body is None:
-        raise CutNotFound("no such committed cut (removed since rank 0 chose it)", store=core.url, cut=cut)
-    return _parse_manifest(core, cut, body)
-
-
-def _parse_manifest(core: StoreCore, cut: str, body: bytes) -> Manifest:
-    mpath = layout.manifest_path(cut)
-    m = Manifest.from_bytes(body, cut=cut, path=mpath, store=core.url)
-    if m.cut != cut:
-        raise DataError(f"manifest names cut {m.cut!r} but lives in {cut!r}", store=core.url, cut=cut, path=mpath)
-    return m
-
-
-def _read_or_none(core: StoreCore, rel: str) -> bytes | None:
-    """The bytes of one of the store's small files; None when it is absent. Any other error is raised:
-    "cannot tell" never reads as "absent"."""
-    try:
-        return core.storage.read_bytes(rel)
-    except StorageError as exc:
-        if exc.errno == errno.ENOENT:
-            return None
-        raise
+    """The manifest of ``cut`` read as one object (:func:`ckptstore.pointed.named_manifest`)."""
+    return pointed.named_manifest(core.storage, core.url, cut)
 
 
 def choose(core: StoreCore, *, fallback: bool) -> tuple[CutInfo | None, dict[str, str]]:

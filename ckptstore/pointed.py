@@ -1,0 +1,84 @@
+"""LATEST's manifest, and a named cut's, read without a listing (issue 24): two single-object reads
+where a classification lists the whole store (its root, ``cuts/``, every cut directory, ``marks/``).
+A rank other than 0 reads LATEST's cut this way (``reading.py``), and so does a writer's step check at
+the start of every save (``core.check_step``): before, each save listed the store and read every
+manifest, O(cuts) requests on an object store, each one more chance of a 503."""
+
+from __future__ import annotations
+
+import errno
+
+from . import hashing, layout
+from .errors import CutNotFound, DataError, LatestError, StorageError
+from .latest import Pointer
+from .manifest import Manifest
+from .paths import refuse_symlinked_cut
+from .recovery import MAX_RESCANS
+from .storage import Storage
+
+
+def pointed_manifest(storage: Storage, url: str) -> Manifest | None:
+    """LATEST's manifest, read without a listing: LATEST, then the manifest it names (the scan's order),
+    whose bytes must hash to what LATEST records: the classification's own test of a healthy LATEST
+    (a valid manifest that LATEST names is committed, whatever marks say), with its words when it
+    fails. None when there is no LATEST: only a listing tells an empty store from one that lost it."""
+    where = {"store": url, "path": layout.LATEST_FILE}
+    hint = f"run `ckptstore repair {url}`"
+    for _ in range(MAX_RESCANS):
+        data = _read_or_none(storage, layout.LATEST_FILE)
+        if data is None:
+            return None
+        try:
+            pointer = Pointer.from_bytes(data, **where)
+        except DataError as exc:
+            raise LatestError(f"LATEST is unreadable: {exc.message}", hint=hint, **where) from exc
+        refuse_symlinked_cut(storage, pointer.cut)
+        mpath = layout.manifest_path(pointer.cut)
+        body = _read_or_none(storage, mpath)
+        if body is None:
+            if _read_or_none(storage, layout.LATEST_FILE) != data:
+                continue  # LATEST moved on and a prune took the cut it named meanwhile: read again
+            raise LatestError(f"LATEST names {pointer.cut}, which is not a committed cut", hint=hint, **where)
+        try:
+            m = _parse_manifest(url, pointer.cut, body)
+        except DataError as exc:
+            raise LatestError(f"LATEST names {pointer.cut}, whose manifest is damaged ({mpath}: {exc.message})",
+                              hint=hint, **where) from exc
+        if hashing.digest(body) != pointer.manifest_blake3:
+            raise LatestError(f"LATEST's manifest hash does not match {pointer.cut}'s manifest", hint=hint, **where)
+        return m
+    raise LatestError(f"LATEST moved {MAX_RESCANS} times while it was read", hint="read again", **where)
+
+
+def named_manifest(storage: Storage, url: str, cut: str) -> Manifest:
+    """The manifest of ``cut``, which rank 0 classified as committed and named in a collective call
+    (restore's choice), read as one object: the rank takes rank 0's word for it (issue 24)."""
+    layout.check_cut_id(cut, store=url)
+    refuse_symlinked_cut(storage, cut)
+    body = _read_or_none(storage, layout.manifest_path(cut))
+    if body is None:
+        raise CutNotFound("no such committed cut (removed since rank 0 chose it)", store=url, cut=cut)
+    return _parse_manifest(url, cut, body)
+
+
+def _parse_manifest(url: str, cut: str, body: bytes) -> Manifest:
+    mpath = layout.manifest_path(cut)
+    m = Manifest.from_bytes(body, cut=cut, path=mpath, store=url)
+    if m.cut != cut:
+        raise DataError(f"manifest names cut {m.cut!r} but lives in {cut!r}", store=url, cut=cut, path=mpath)
+    return m
+
+
+def _read_or_none(storage: Storage, rel: str) -> bytes | None:
+    """The bytes of one of the store's small files; None when it is absent. Any other error is raised:
+    "cannot tell" never reads as "absent"."""
+    try:
+        return storage.read_bytes(rel)
+    except StorageError as exc:
+        if exc.errno == errno.ENOENT:
+            return None
+        raise
+
+
+
+__all__ = ["named_manifest", "pointed_manifest"]
