@@ -1,5 +1,7 @@
 """``Store.gc`` and the recovery a writer open runs: classify, then remove (or list) each leftover of
-interrupted work, through the protocol's removal verbs (moved out of store.py, issue 20)."""
+interrupted work, through the protocol's removal verbs (moved out of store.py, issue 20), and abort the
+multipart uploads no live writer runs (issue 24: a killed writer or a lost CreateMultipartUpload
+answer left uploads that nothing listed, billed until a bucket lifecycle rule caught them)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,14 @@ from . import layout
 from .core import StoreCore
 from .errors import LatestError
 from .recovery import Leftover, LeftoverKind
+from .storage import Upload
 
 
 def leftover_json(x: Leftover) -> dict[str, Any]:
-    return {"cut": x.cut, "kind": x.kind, "paths": x.paths, "owner": x.owner, "owner_alive": x.owner_alive}
+    out = {"cut": x.cut, "kind": x.kind, "paths": x.paths, "owner": x.owner, "owner_alive": x.owner_alive}
+    if x.upload_id is not None:  # an upload's only: the other kinds' JSON stays as it was
+        out["upload_id"] = x.upload_id
+    return out
 
 
 @dataclass
@@ -22,7 +28,8 @@ class GcReport:
 
     ``at_open`` is what this handle's writer open already removed (its recovery), so no removal goes
     unreported; ``removed`` is what this call removed. Open with ``recover=False`` to have one ``gc``
-    (or a dry run) see everything."""
+    (or a dry run) see everything. Multipart uploads are ``upload`` leftovers (``upload_id`` set); one
+    outside ``cuts/`` is listed in ``foreign`` and never aborted."""
 
     removed: list[Leftover] = field(default_factory=list)
     kept: list[Leftover] = field(default_factory=list)
@@ -65,6 +72,10 @@ def ensure_recovered(core: StoreCore) -> None:
 
 def collect(core: StoreCore, *, dry_run: bool) -> GcReport:
     """``gc``'s work (recovery runs it at open): classify, then remove (or list) each leftover."""
+    # Uploads are listed before the store is classified, so every upload seen belongs to a cut that
+    # began before the classify: one whose mark it then sees, or one in flight here. Listed here only,
+    # never in every classify: it is one more request, and only gc and recovery act on it.
+    uploads = core.storage.list_uploads("")
     cls = core.classify()
     if cls.latest_problem is not None:
         raise LatestError(cls.latest_problem, store=core.url, path=layout.LATEST_FILE,
@@ -80,9 +91,36 @@ def collect(core: StoreCore, *, dry_run: bool) -> GcReport:
         report.removed.append(lo)
         if not dry_run:
             _remove(core, lo, report)
+    _collect_uploads(core, uploads, report)
     if not dry_run and report.removed:
         core.events.emit("gc", removed=len(report.removed))
     return report
+
+
+def _collect_uploads(core: StoreCore, uploads: list[Upload], report: GcReport) -> None:
+    """Aborts (or lists) each multipart upload no live writer runs. One is kept when its cut is in flight
+    on this handle (checked now: a cut that committed since the listing completed its uploads, and
+    aborting those is a no-op) or its cut's own leftover was kept (a live owner's in-progress cut: the
+    same rule). Every other upload under a cut is an orphan: under a committed cut (whose objects are
+    all complete: a lost CreateMultipartUpload answer's twin), under a cut just removed, or under none.
+    An upload outside ``cuts/`` is not ckptstore's (it writes shards and manifests only there): foreign,
+    reported and never aborted, like a foreign file."""
+    live = {lo.cut: lo for lo in report.kept if lo.cut is not None}
+    for up in uploads:
+        parts = up.rel.split("/")
+        if len(parts) < 3 or parts[0] != layout.CUTS_DIR or not layout.is_cut_id(parts[1]):
+            report.foreign.append(f"{up.rel} (multipart upload {up.upload_id})")
+            continue
+        cut = parts[1]
+        owner = live.get(cut)
+        lo = Leftover(cut, LeftoverKind.UPLOAD, [up.rel], owner.owner if owner else None,
+                      owner.owner_alive if owner else None, upload_id=up.upload_id)
+        if cut in core.in_flight or owner is not None:
+            report.kept.append(lo)
+            continue
+        report.removed.append(lo)
+        if not report.dry_run:
+            core.protocol.abort_upload(up)
 
 
 def _remove(core: StoreCore, lo: Leftover, report: GcReport) -> None:

@@ -62,7 +62,7 @@ from .manifest import FileRecord, Manifest, RankRecord, TensorRecord
 from .shards import write_shards
 from .labels import Label, label_path
 from .marks import BadCut, FinalMark, Mark
-from .storage import ConditionFailed, Storage
+from .storage import ConditionFailed, Storage, Upload
 
 
 class SavePhase(StrKind):
@@ -333,6 +333,11 @@ class CommitProtocol:
         """A temp file a crashed durable write left."""
         self._guard()
         self._storage.delete(rel, durable=True)
+
+    def abort_upload(self, upload: Upload) -> None:
+        """A multipart upload no live writer runs (gc, recovery; issue 24): its parts are freed."""
+        self._guard()
+        self._storage.abort_upload(upload)
 
     def remove_latest(self) -> None:
         """An empty store's LATEST (repair when no cut is committed)."""

@@ -39,6 +39,7 @@ class LeftoverKind(StrKind):
     STALE_LABEL = "stale-label"  # a label naming a cut that is not committed
     BROKEN_LABEL = "broken-label"  # a label file that does not parse or hash to its name
     STALE_FINAL_MARK = "stale-final-mark"  # a final mark whose cut is gone
+    UPLOAD = "upload"  # an S3 multipart upload no live writer runs (listed by gc and recovery only)
 
 
 class LatestProblem(StrKind):
@@ -72,13 +73,15 @@ class DiskState:
 
 @dataclass
 class Leftover:
-    """Something an interrupted save or prune left behind. ``owner_alive`` is None when unknown."""
+    """Something an interrupted save or prune left behind. ``owner_alive`` is None when unknown;
+    ``upload_id`` is the server's id of an ``upload`` (its object's path is ``paths[0]``)."""
 
     cut: str | None
     kind: LeftoverKind
     paths: list[str]
     owner: str | None = None
     owner_alive: bool | None = None
+    upload_id: str | None = None
 
 
 @dataclass

@@ -62,6 +62,7 @@ class FindingKind(StrKind):
     LEFTOVER_STALE_LABEL = "leftover-stale-label"
     LEFTOVER_BROKEN_LABEL = "leftover-broken-label"
     LEFTOVER_STALE_FINAL_MARK = "leftover-stale-final-mark"
+    LEFTOVER_UPLOAD = "leftover-upload"  # never reported by verify: only gc lists uploads (issue 24)
 
     @property
     def about_latest(self) -> bool:
@@ -92,6 +93,7 @@ _OF_LEFTOVER = {
     LeftoverKind.STALE_LABEL: FindingKind.LEFTOVER_STALE_LABEL,
     LeftoverKind.BROKEN_LABEL: FindingKind.LEFTOVER_BROKEN_LABEL,
     LeftoverKind.STALE_FINAL_MARK: FindingKind.LEFTOVER_STALE_FINAL_MARK,
+    LeftoverKind.UPLOAD: FindingKind.LEFTOVER_UPLOAD,
 }
 
 

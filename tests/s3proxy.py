@@ -16,12 +16,22 @@ Rules (``Rule(action, ...)``):
     short_body      forwarded, then the response with its body cut to ``after_bytes`` and Content-Length
                     rewritten to match (the client sees a whole, short response)
     lost            forwarded (moto applies it), then a reset: the client sees no response at all
+    corrupt         forwarded with one bit of its body flipped (at payload byte ``after_bytes``, default
+                    the middle; inside aws-chunked framing, the payload's byte, never the framing):
+                    moto checks neither Content-MD5 nor x-amz-checksum-*, stores the damaged body and
+                    answers its MD5 as the ETag, as a store behind a faulty middlebox would;
+                    PUTs only (an object's or a part's body: what a server stores; a damaged XML
+                    request, a complete or a bulk delete, is refused as malformed, not stored)
 
-Matching: ``method`` (None: any), ``key`` (an fnmatch pattern on the object key, bucket dropped, so
-``"*/LATEST"``), ``attempts`` (which requests of that method and key fire, counted by the proxy from 1,
-retries included, whichever rule answered them; None: every one), ``times`` (at most this many fires),
-``probability`` drawn from the rule's own ``random.Random(seed)``. A rule counts ``seen`` (matched) and
-``fired``; ``log`` lists every request with the action taken and moto's status.
+Matching: ``method`` (None: any), ``op`` (the S3 operation told from method and query, :func:`s3_op`:
+``put``, ``get``, ``head``, ``delete``, ``list``, or by query ``_QUERY_OPS``: ``create_multipart``,
+``upload_part``, ``complete_multipart``, ``abort_multipart``, ``list_uploads``...; None: any), ``key``
+(an fnmatch pattern on the object key, bucket dropped, so ``"*/LATEST"``),
+``part`` (the ``partNumber``; None: any), ``attempts`` (which requests of that operation, key and part
+fire, counted by the proxy from 1, retries included, whichever rule answered them; None: every one),
+``times`` (at most this many fires), ``probability`` drawn from the rule's own
+``random.Random(seed)``. A rule counts ``seen`` (matched) and ``fired``; ``log`` lists every request
+with its operation, part, the action taken and moto's status.
 
 Every wait is bounded: idle client connections time out, moto is called with a timeout, a stall waits
 on the proxy's stop event, and ``stop`` shuts every connection and joins its threads with a deadline.
@@ -42,13 +52,33 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
-ACTIONS = frozenset({"slowdown", "internal", "reset_request", "reset_response", "stall", "short_body", "lost"})
+ACTIONS = frozenset("slowdown internal reset_request reset_response stall short_body lost corrupt".split())
+
 _HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
                   "upgrade", "expect", "content-length"})
 _ERRORS = {"slowdown": (503, "SlowDown", "Please reduce your request rate."),
            "internal": (500, "InternalError", "We encountered an internal error. Please try again.")}
 _UPSTREAM_TIMEOUT_S = 30.0
 _IDLE_TIMEOUT_S = 30.0
+#: method -> (query parameter, operation), the first present wins; see :func:`s3_op`
+_QUERY_OPS = {"POST": (("uploads", "create_multipart"), ("uploadId", "complete_multipart"),
+                       ("delete", "delete_objects")),
+              "PUT": (("partNumber", "upload_part"),), "DELETE": (("uploadId", "abort_multipart"),),
+              "GET": (("uploads", "list_uploads"), ("uploadId", "list_parts"))}
+
+
+def s3_op(method: str, key: str, query: dict[str, list[str]]) -> str:
+    """The S3 operation a request is, by its method and query (what botocore names it, shortened)."""
+    for name, op in _QUERY_OPS.get(method, ()):
+        if name in query:
+            return op
+    if method == "GET":
+        return "list" if not key or "list-type" in query else "get"
+    return {"PUT": "put", "DELETE": "delete", "HEAD": "head"}.get(method, "other")
+
+
+OPS = frozenset({op for pairs in _QUERY_OPS.values() for _, op in pairs} | {"put", "get", "head", "delete", "list",
+                                                                             "other"})
 
 
 @dataclass
@@ -56,11 +86,13 @@ class Rule:
     action: str
     method: str | None = None
     key: str = "*"
+    op: str | None = None
+    part: int | None = None
     attempts: frozenset[int] | set[int] | None = None
     times: int | None = None
     probability: float = 1.0
     seed: int = 0
-    after_bytes: int = 0
+    after_bytes: int | None = None  # None: 0, but the middle of the body for ``corrupt``
     stall_s: float = 0.0
     seen: int = 0
     fired: int = 0
@@ -69,13 +101,18 @@ class Rule:
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
             raise ValueError(f"unknown action {self.action!r}; one of {sorted(ACTIONS)}")
+        if self.op is not None and self.op not in OPS:
+            raise ValueError(f"unknown op {self.op!r}; one of {sorted(OPS)}")
         self._rng = random.Random(self.seed)
 
-    def decide(self, method: str, key: str, n: int) -> bool:
-        """Whether this rule fires for the ``n``-th request of ``method`` on ``key`` (the caller holds
-        the proxy's lock)."""
-        if self.method is not None and method != self.method or not fnmatch.fnmatchcase(key, self.key):
+    def decide(self, method: str, op: str, key: str, part: int | None, n: int) -> bool:
+        """Whether this rule fires for the ``n``-th request of ``op`` on ``key`` and ``part`` (the
+        caller holds the proxy's lock)."""
+        if (self.method is not None and method != self.method or self.op is not None and op != self.op
+                or self.part is not None and part != self.part or not fnmatch.fnmatchcase(key, self.key)):
             return False
+        if self.action == "corrupt" and method != "PUT":
+            return False  # a damaged XML request (a complete, a bulk delete) is refused, never stored
         self.seen += 1
         if self.attempts is not None and n not in self.attempts:
             return False
@@ -95,6 +132,8 @@ class Seen:
     key: str
     action: str | None
     status: int
+    op: str = "other"  # the S3 operation (:func:`s3_op`)
+    part: int | None = None  # its partNumber
 
 
 class FaultProxy:
@@ -103,7 +142,7 @@ class FaultProxy:
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rules: list[Rule] = []
         self.log: list[Seen] = []
-        self._attempts: dict[tuple[str, str], int] = {}
+        self._attempts: dict[tuple[str, str, int | None], int] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -139,9 +178,11 @@ class FaultProxy:
         with self._cond:
             return self._cond.wait_for(predicate, timeout)
 
-    def requests(self, method: str, pattern: str) -> list[Seen]:
+    def requests(self, method: str | None = None, pattern: str = "*", *, op: str | None = None) -> list[Seen]:
+        """The logged requests of ``method`` (None: any) and ``op`` (None: any) on keys ``pattern``."""
         with self._cond:
-            return [s for s in self.log if s.method == method and fnmatch.fnmatchcase(s.key, pattern)]
+            return [s for s in self.log if (method is None or s.method == method) and (op is None or s.op == op)
+                    and fnmatch.fnmatchcase(s.key, pattern)]
 
     def start(self) -> "FaultProxy":
         self._serve = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
@@ -175,11 +216,11 @@ class FaultProxy:
         self.stop()
 
     # used by the handler -------------------------------------------------------------------------
-    def _decide(self, method: str, key: str) -> Rule | None:
+    def _decide(self, method: str, op: str, key: str, part: int | None) -> Rule | None:
         with self._cond:
-            n = self._attempts[(method, key)] = self._attempts.get((method, key), 0) + 1
+            n = self._attempts[(op, key, part)] = self._attempts.get((op, key, part), 0) + 1
             for rule in self.rules:
-                if rule.decide(method, key, n):
+                if rule.decide(method, op, key, part, n):
                     return rule
         return None
 
@@ -202,6 +243,34 @@ class FaultProxy:
             return resp.status, resp.reason, resp.getheaders(), resp.read()
         finally:
             conn.close()
+
+
+def flip_bit(body: bytes, at: int | None = None, *, aws_chunked: bool = False) -> bytes:
+    """``body`` with the low bit of payload byte ``at`` (default: the middle) flipped. In aws-chunked
+    framing (each chunk a hex size line, its data and CRLF; then a 0-size chunk and the trailers: the
+    x-amz-checksum-* botocore sends over TLS) the byte is counted in the chunks' data only, so the
+    framing (and a trailing checksum) stays intact and the server stores a damaged payload instead of
+    refusing a malformed request."""
+    spans = _chunk_spans(body) if aws_chunked else [(0, len(body))]
+    size = sum(end - start for start, end in spans)
+    at = size // 2 if at is None else min(max(at, 0), size - 1)
+    for start, end in spans:  # (no span when there is no payload: returned as it is)
+        if at < end - start:
+            return body[:start + at] + bytes([body[start + at] ^ 0x01]) + body[start + at + 1:]
+        at -= end - start
+    return body
+
+
+def _chunk_spans(body: bytes) -> list[tuple[int, int]]:
+    """The (start, end) offsets of the data of each chunk of an aws-chunked body."""
+    spans, pos = [], 0
+    while True:
+        eol = body.index(b"\r\n", pos)
+        size = int(body[pos:eol].split(b";")[0].strip(), 16)
+        if size == 0:
+            return spans
+        spans.append((eol + 2, eol + 2 + size))
+        pos = eol + 2 + size + 2
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -240,15 +309,22 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _handle(self) -> None:
         proxy = self.server.proxy
-        key = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/").partition("/")[2]
-        rule = proxy._decide(self.command, key)
+        url = urllib.parse.urlsplit(self.path)
+        key = urllib.parse.unquote(url.path).lstrip("/").partition("/")[2]
+        query = urllib.parse.parse_qs(url.query, keep_blank_values=True)
+        op = s3_op(self.command, key, query)
+        part = int(query["partNumber"][0]) if query.get("partNumber", [""])[0].isdigit() else None
+        rule = proxy._decide(self.command, op, key, part)
         action = rule.action if rule is not None else None
+        after = (rule.after_bytes or 0) if rule is not None else 0
         status = 0
         try:
             if action == "reset_request":
-                self._read_body(limit=rule.after_bytes)
+                self._read_body(limit=after)
                 return self._reset()
             body = self._read_body()
+            if action == "corrupt":
+                body = flip_bit(body, rule.after_bytes, aws_chunked=self._aws_chunked())
             if action in _ERRORS:
                 return self._error(*_ERRORS[action])
             if action == "stall":
@@ -262,13 +338,18 @@ class _Handler(BaseHTTPRequestHandler):
             if action == "lost":
                 return self._reset()
             if action == "reset_response":
-                self._respond(status, reason, headers, payload[:rule.after_bytes], length=len(payload))
+                self._respond(status, reason, headers, payload[:after], length=len(payload))
                 return self._reset()
             if action == "short_body":
-                payload = payload[:rule.after_bytes]
+                payload = payload[:after]
             self._respond(status, reason, headers, payload)
         finally:
-            proxy._record(Seen(self.command, key, action, status))
+            proxy._record(Seen(self.command, key, action, status, op, part))
+
+    def _aws_chunked(self) -> bool:
+        """Whether the body is aws-chunked (botocore's trailing checksums: over TLS only, never here)."""
+        return ("aws-chunked" in self.headers.get("Content-Encoding", "").lower()
+                or self.headers.get("X-Amz-Content-SHA256", "").startswith("STREAMING-"))
 
     def _read_body(self, limit: int | None = None) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":

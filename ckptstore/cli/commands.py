@@ -224,7 +224,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     with Store.open(args.url, recover=False) as store:
         report = store.gc(dry_run=args.dry_run)
         verb = "would remove" if args.dry_run else "removed"
-        rows = [[lo.kind, lo.cut or "-", ", ".join(lo.paths)] for lo in report.removed]
+        rows = [[lo.kind, lo.cut or "-", ", ".join(lo.paths) + (f" (upload {lo.upload_id})" if lo.upload_id else "")]
+                for lo in report.removed]
         text = (table(["kind", "cut", "paths"], rows) + "\n" if rows else "") + f"{verb} {len(report.removed)} leftover(s)"
         if report.foreign:
             text += f"\nleft alone {len(report.foreign)} foreign entr(ies): {', '.join(report.foreign)}"
