@@ -74,11 +74,12 @@ def _read_or_none(storage: Storage, rel: str) -> bytes | None:
     "cannot tell" never reads as "absent"."""
     try:
         return storage.read_bytes(rel)
+    except FileNotFoundError:  # a Storage that raises the OS's own (custom backends, the power-loss CrashFS)
+        return None
     except StorageError as exc:
         if exc.errno == errno.ENOENT:
             return None
         raise
-
 
 
 __all__ = ["named_manifest", "pointed_manifest"]
