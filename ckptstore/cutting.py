@@ -15,11 +15,17 @@ from .pending import PendingCut, RankPart
 from .shards import Codec
 
 
-def begin_cut(core: StoreCore, step: int, *, writer: str, cut: str | None, world_size: int) -> PendingCut:
-    """See :meth:`ckptstore.Store.begin_cut`."""
+def begin_cut(core: StoreCore, step: int, *, writer: str, cut: str | None, world_size: int,
+              above_latest: bool = True) -> PendingCut:
+    """See :meth:`ckptstore.Store.begin_cut`. ``above_latest=False`` lets the step be at or below
+    LATEST's: a mirror's copy of an older cut, which ``PendingCut.commit_copy`` commits without moving
+    LATEST (issue 21)."""
     core.require_writer("begin_cut")
     ensure_recovered(core)
-    core.check_step(step)
+    if above_latest:
+        core.check_step(step)
+    else:
+        layout.check_step(step, store=core.url)
     if cut is None:
         cut = layout.new_cut_id(step)
     elif layout.check_cut_id(cut, store=core.url) and layout.step_of_cut_id(cut) != step:

@@ -2,7 +2,8 @@
 
 Every event has ``event`` (its kind), ``ts`` (unix seconds) and ``store``; cut events add ``cut`` and
 ``step`` plus timings in seconds and byte counts. Kinds from the store: ``committed``, ``failed``,
-``pruned``, ``recovered`` (a leftover cleaned on open), ``gc``. The writer adds ``captured``,
+``pruned``, ``recovered`` (a leftover cleaned on open), ``gc``, ``mirrored`` (on a mirror: a cut copied in
+from ``source``; issue 21). The writer adds ``captured``,
 ``written``, ``skipped`` (docs/writer.md).
 """
 

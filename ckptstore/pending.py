@@ -174,10 +174,37 @@ class PendingCut:
         files from it or from its published part, a cut of several from the collected records."""
         self._require(WRITTEN, "commit")
         manifest = self._manifest(CutIntent.given(intent, fields, what="commit"))
+        return self._publish(manifest, None)
+
+    @pausing
+    def commit_copy(self, data: bytes) -> CutInfo:
+        """Commits this cut with another store's manifest bytes of it, unchanged (a mirror copies a
+        committed cut byte for byte, issue 21): they must name this cut, its step, its world size and
+        exactly the files recorded. LATEST only moves forward: a cut older than LATEST's is committed
+        without moving it (``CommitProtocol.commit_in_order``), so the store's newest stays newest.
+        Failures end the cut as ``commit`` says."""
+        self._require(WRITTEN, "commit")
+        where = {"store": self._protocol.url, "cut": self.id, "path": layout.manifest_path(self.id)}
+        manifest = Manifest.from_bytes(data, **where)
+        recorded = {f.name: f for f in self.files()}
+        if (manifest.cut, manifest.step, manifest.world_size) != (self.id, self.step, self.world_size) or \
+                {f.name: f for f in manifest.files} != recorded:
+            raise UsageError(f"the manifest to copy names cut {manifest.cut} step {manifest.step} of "
+                             f"{manifest.world_size} rank(s) and {len(manifest.files)} file(s), not the "
+                             f"{len(recorded)} recorded of this cut", **where)
+        return self._publish(manifest, data)
+
+    def _publish(self, manifest: Manifest, copied: bytes | None) -> CutInfo:
+        """Steps 4-6 of ``commit`` (``copied``: the manifest's bytes as another store holds them)."""
         self._move(COMMITTING)
+        moved = True
         try:
-            digest = self._protocol.write_manifest(manifest)
-            self._protocol.point_latest(self.id, self.step, digest)
+            if copied is None:
+                digest = self._protocol.write_manifest(manifest)
+                self._protocol.point_latest(self.id, self.step, digest)
+            else:
+                digest = self._protocol.copy_manifest(self.id, copied)
+                moved = self._protocol.commit_in_order(self.id, self.step, digest)
         except CommitUnknown:
             self._move(UNKNOWN)
             raise
@@ -194,7 +221,8 @@ class PendingCut:
             raise
         self._move(COMMITTED)
         try:
-            self._protocol.unmark(self.id)
+            if moved:  # else the unmark was the commit point
+                self._protocol.unmark(self.id)
         except StorageError:
             # Committed and named by LATEST; the stale mark is cleared by the next commit (Rule M) or
             # by recovery, and can never demote the cut (docs/design.md).

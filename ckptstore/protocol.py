@@ -174,6 +174,35 @@ class CommitProtocol:
         self.phase(SavePhase.MANIFEST_WRITTEN, manifest.cut)
         return hashing.digest(data)
 
+    def copy_manifest(self, cut: str, data: bytes) -> str:
+        """Step 4 with another store's manifest bytes of this cut, unchanged (a mirror, issue 21)."""
+        self._guard()
+        self._storage.write_durably(layout.manifest_path(cut), data)
+        self.phase(SavePhase.MANIFEST_WRITTEN, cut)
+        return hashing.digest(data)
+
+    def commit_in_order(self, cut: str, step: int, manifest_blake3: str) -> bool:
+        """Step 5 where LATEST only moves forward (a mirror receives cuts out of order, issue 21): a cut
+        above LATEST's step by ``point_latest`` (True: step 6 follows); one below it by removing its mark
+        alone (False): by the invariant a valid manifest and no mark is committed, and LATEST stays. A
+        failed removal may have landed: ``CommitUnknown``, the next open decides by the mark."""
+        previous = self._read_pointer()
+        if previous is None or previous.step < step:
+            self.point_latest(cut, step, manifest_blake3)
+            return True
+        self._guard()  # a writer that lost its lease commits nothing
+        try:
+            self._storage.delete(layout.mark_path(cut), durable=True)
+        except StoreLocked:
+            raise
+        except StorageError as exc:
+            raise CommitUnknown(f"removing the mark of cut {cut} (its commit point: it is older than LATEST's) "
+                                f"failed and may have landed: {exc.message}", errno=exc.errno, store=self.url,
+                                cut=cut, path=layout.mark_path(cut),
+                                hint="the next writer open keeps the cut if its mark is gone") from exc
+        self.phase(SavePhase.MARK_REMOVED, cut)
+        return False
+
     def point_latest(self, cut: str, step: int, manifest_blake3: str) -> Pointer:
         """Step 5, and repair's move: LATEST names ``cut`` durably. Rule M first: the cut LATEST names
         now loses its mark before LATEST leaves it. Raises ``CommitUnknown`` when the replace failed

@@ -35,7 +35,7 @@ class _RawStream:
 
     def __init__(
         self, storage: Storage, rel: str, record: FileRecord, where: dict, *, overlap: bool, hash_stored: bool,
-        hash_raw: bool,
+        hash_raw: bool, tap: Callable[[memoryview | bytes], None] | None = None,
     ) -> None:
         self.where = where
         self.record = record
@@ -45,6 +45,8 @@ class _RawStream:
             check_missing(exc, where)
             raise
         self._check_size(storage, rel)
+        if tap is not None:
+            self.file = _Tapped(self.file, tap)  # type: ignore[assignment]
         # The reader comes buffered from the storage where small reads would cost (POSIX: 1 MiB).
         self.stored = hashing.HashingReader(self.file, overlap=overlap and record.codec == "none", hashed=hash_stored)
         if record.codec == "zstd":
@@ -154,6 +156,49 @@ class _RawStream:
                 pass
 
 
+class _TapFailed(Exception):
+    """What a tap raised, carried past the read's own handling of ``OSError``: a mirror's failed write is
+    the mirror's error, not a read error of this shard (issue 21)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Tapped:
+    """A shard's reader that hands every stored byte to ``tap`` as it passes, in file order, each byte
+    once (the read hashes the same bytes: a mirror's upload, issue 21). The piece is the reader's buffer:
+    the tap must be done with it when it returns."""
+
+    def __init__(self, raw: BinaryIO, tap: Callable[[memoryview | bytes], None]) -> None:
+        self._raw = raw
+        self._tap = tap
+
+    def _give(self, piece: memoryview | bytes) -> None:
+        try:
+            self._tap(piece)
+        except Exception as exc:  # noqa: BLE001 - re-raised as itself by read_shard_into
+            raise _TapFailed(exc) from exc
+
+    def readinto(self, buf: memoryview | bytearray) -> int:
+        n = self._raw.readinto(buf) or 0
+        if n:
+            self._give(memoryview(buf)[:n])
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._raw.read(size)
+        if data:
+            self._give(data)
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._raw.close()
+
+
 class _TensorHashes:
     """Format v2 reads: each array's blake3, hashed once as its bytes are read. With ``overlap`` (the
     caller never reuses a buffer), arrays of ``hashing.SMALL`` bytes or more are hashed on a helper
@@ -222,6 +267,7 @@ def read_shard_into(
     on_bytes: Callable[[int], None] | None = None,
     reuses_buffers: bool = False,
     sink: ArraySink | None = None,
+    tap: Callable[[memoryview | bytes], None] | None = None,
 ) -> None:
     """Streams a whole shard, reading each array's bytes straight into ``dest(record)``; checks the
     file's size, then the header against the manifest, the file's lengths and (with ``verify``) its
@@ -232,7 +278,9 @@ def read_shard_into(
     that array through one reused buffer of at most ``PIECE`` bytes (verify: memory stays bounded
     whatever the arrays' sizes); it needs ``reuses_buffers``. ``sink`` sees every array's bytes piece by
     piece as they are read (``begin``, ``write`` of each piece, ``end``): its bytes are verified only
-    when this returns."""
+    when this returns. ``tap`` sees every stored byte of the file (compressed ones as stored) in order,
+    each once, as it is read: a mirror streams them on (issue 21), and they too are verified only when
+    this returns; what ``tap`` raises is raised as itself."""
     rel = layout.cut_file(cut, record.name)
     where = {"store": storage.url, "cut": cut, "path": rel}
     v2 = format_version >= 2
@@ -240,7 +288,7 @@ def read_shard_into(
     # verify=False checks lengths and the header but no digest, so nothing is hashed at all.
     stream = _RawStream(
         storage, rel, record, where, overlap=overlap and not v2,
-        hash_stored=verify and (not v2 or record.codec != "none"), hash_raw=verify and not v2,
+        hash_stored=verify and (not v2 or record.codec != "none"), hash_raw=verify and not v2, tap=tap,
     )
     hashes = _TensorHashes(overlap) if verify and v2 else None
     try:
@@ -250,10 +298,12 @@ def read_shard_into(
         _read_arrays(stream, ordered, dest, reuses_buffers=reuses_buffers, hashes=hashes, sink=sink, on_bytes=on_bytes)
         stream.finish()
         _check_digests(stream, hashes, head_bytes, verify=verify)
-    except BaseException:
+    except BaseException as exc:
         stream.close()
         if hashes is not None:
             hashes.close()
+        if isinstance(exc, _TapFailed):
+            raise exc.error from None
         raise
 
 

@@ -14,6 +14,9 @@ Each function takes an open :class:`~ckptstore.store.Store`:
 - :func:`point_latest`, :func:`record_bad`: the resume tooling's two changes to a store.
 - :func:`open_participant`: a handle that writes rank parts of cuts a coordinator elsewhere marks (DCP's
   ranks), holding no lock and committing nothing.
+- :func:`mirror_cut`, :func:`missing`, :func:`mirror_missing`: a committed cut copied into another store
+  byte for byte, through that store's protocol (:mod:`ckptstore.mirroring`, issue 21), for the writer
+  process's uploads; ``MirrorReport`` and ``MirrorConflict`` with them.
 
 The old ``Store`` methods of these names (``rank_part_for`` for ``rank_part`` with a rank) still work for
 one minor release, with a ``DeprecationWarning``.
@@ -44,6 +47,7 @@ from .lock import InheritedLock
 from .manifest import FileRecord, Manifest, TensorRecord
 from .metachecks import NoticeKind
 from .metachecks import register as register_metadata_check
+from .mirroring import MirrorConflict, MirrorReport, mirror_cut, mirror_missing, missing
 from .models import StrictModel
 from .options import StoreOptions
 from .pending import PendingCut, RankPart
@@ -125,4 +129,6 @@ __all__ = [
     "Collective", "RankFailure", "RankGroup", "check_all_ok", "check_same", "outcome",
     # the rest
     "Emitter", "pausing", "StrictModel", "StrKind", "NoticeKind", "register_metadata_check", "layout",
+    # mirroring (issue 21)
+    "mirror_cut", "missing", "mirror_missing", "MirrorReport", "MirrorConflict",
 ]

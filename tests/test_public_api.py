@@ -91,7 +91,8 @@ EXPECTED_SPI = [
     "check_header_matches", "Storage", "StorageSpec", "open_spec", "CommitProtocol", "ensure_marked",
     "finish_orphaned_cut", "InheritedLock", "Collective", "RankFailure", "RankGroup", "check_all_ok",
     "check_same", "outcome", "Emitter", "pausing", "StrictModel", "StrKind", "NoticeKind",
-    "register_metadata_check", "layout",
+    "register_metadata_check", "layout", "mirror_cut", "missing", "mirror_missing", "MirrorReport",
+    "MirrorConflict",
 ]
 
 

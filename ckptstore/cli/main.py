@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 from ..errors import CkptStoreError, DataError, StorageError, StoreLocked, UsageError
 from ..version import __version__
 from . import commands as c
+from .mirror import cmd_mirror
 from .exits import EXIT_CANNOT_RUN, EXIT_PROBLEM
 
 #: Exception class -> exit code, most specific first.
@@ -87,7 +88,7 @@ def _add_maintaining(add: Add) -> None:
 
 
 def _add_copying(add: Add) -> None:
-    """``diff``, ``export``, ``restore-files``: commands on the contents of cuts."""
+    """``diff``, ``export``, ``restore-files``, ``mirror``: commands on the contents of cuts."""
     sp = add("diff", c.cmd_diff, "which tensors changed between two cuts (by hash; exit 1 when they differ)")
     sp.add_argument("cut_a")
     sp.add_argument("cut_b")
@@ -109,6 +110,12 @@ def _add_copying(add: Add) -> None:
     sp.add_argument("--to", required=True, help="directory to restore into (created if missing)")
     sp.add_argument("--rank", type=int, default=None, help="this rank's files (required for cuts of several ranks)")
     sp.add_argument("--no-overwrite", action="store_true", help="refuse if any file to restore exists")
+    sp = add("mirror", cmd_mirror, "copy the committed cuts a mirror store is missing into it, oldest first, "
+             "every byte checked (exit 1 when a cut's files do not match its manifest)")
+    sp.add_argument("--to", required=True, metavar="MIRROR", help="the mirror's path or fsspec URL (created if missing)")
+    sp.add_argument("--storage-options", default=None, metavar="JSON|@FILE",
+                    help="fsspec options of URL (a JSON object, or @FILE holding one: keeps credentials off ps)")
+    sp.add_argument("--to-storage-options", default=None, metavar="JSON|@FILE", help="fsspec options of MIRROR")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,241 @@
+"""Mirroring a store (issue 21, first part): a committed cut of one store copied into another, byte for
+byte, through the other store's own protocol.
+
+The mirror is an ordinary store. A cut goes in as every cut does (mark, files, manifest, then LATEST:
+:meth:`~ckptstore.pending.PendingCut.commit_copy`), so every crash rule of a store holds there too: a
+copy killed midway is a marked leftover that the mirror's next writer open removes, and the mirror's
+committed cuts are never touched. What lands is the source's committed cut unchanged: the same cut id,
+step, files and manifest bytes (so the same per-tensor and file digests, and the same manifest digest
+in LATEST).
+
+Every byte is checked against the source's manifest as it streams: ``read_shard_into`` hands each
+stored byte on (its ``tap``) while it hashes it, with the checks verify and load run (no second hasher).
+A source file that does not match is never completed on the mirror: its sink is aborted and the
+mirror's cut abandoned (the mirror keeps its older cut), the cut is recorded bad on the source, and the
+``DataError`` names the source, the cut and the file. LATEST on the mirror moves only forward: a cut
+older than the mirror's LATEST is committed without moving it (``CommitProtocol.commit_in_order``).
+
+:func:`mirror_cut` copies one cut (what the writer process will call, through :mod:`ckptstore.spi`);
+:func:`missing` and :func:`mirror_missing` catch a mirror up, oldest first (``ckptstore mirror``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import cutting, labeling, layout, repairing
+from .core import StoreCore
+from .errors import CkptStoreError, CutNotFound, DataError, StepConflict, StorageError, UsageError
+from .events import log
+from .info import CutInfo
+from .manifest import FileRecord, Manifest, TensorRecord
+from .pending import PendingCut
+from .recovery import Classification
+from .shardread import read_shard_into
+from .storage import Storage
+from .store import Store, core_of
+
+#: Called with each count of bytes copied (stored bytes, as the manifest's ``nbytes`` counts them).
+Progress = Callable[[int], None]
+#: Called before each cut ``mirror_missing`` copies: its info, its number (from 1) and how many there are.
+OnCut = Callable[[CutInfo, int, int], None]
+
+
+class MirrorConflict(StepConflict, wire="mirror-conflict"):
+    """The mirror holds another cut under this cut's id, or another cut at its step (two runs share the
+    mirror's URL, or it was written apart from its source). Nothing was changed on either store."""
+
+
+@dataclass
+class MirrorReport:
+    """What ``mirror_missing`` did: the cuts it ``mirrored`` (oldest first), the source cuts whose bytes
+    did not verify (``failed``: each recorded bad on the source, never uploaded), and those ``removed``
+    (pruned) from the source while they were being mirrored."""
+
+    source: str
+    mirror: str
+    mirrored: list[CutInfo] = field(default_factory=list)
+    failed: list[DataError] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "mirror": self.mirror, "ok": self.ok,
+                "mirrored": [c.to_json() for c in self.mirrored],
+                "failed": [{"cut": e.cut, "path": e.path, "error": type(e).__name__, "message": e.message}
+                           for e in self.failed],
+                "removed": list(self.removed)}
+
+
+def missing(src: Store, dst: Store) -> list[str]:
+    """The cuts committed on ``src`` and not on ``dst``, in step order. A cut recorded bad on ``src`` is
+    left out: it is proven damaged, and retrying it would fail every catch-up the same way."""
+    have = core_of(dst).classify().committed_ids()
+    cls = core_of(src).classify()
+    return [m.cut for m in cls.committed if m.cut not in have and m.cut not in cls.bad]
+
+
+def mirror_cut(src: Store, dst: Store, cut: str, *, progress: Progress | None = None) -> CutInfo:
+    """Copies committed cut ``cut`` of ``src`` into ``dst`` (opened as its writer) and commits it there;
+    returns the mirror's info of it. A cut ``dst`` already holds with the same manifest bytes is a
+    no-op; another manifest under its id, or another cut at its step, is a ``MirrorConflict``. A source
+    byte that does not match: nothing committed on ``dst``, the cut recorded bad on ``src`` where it can
+    be, and the ``DataError`` raised (``CutNotFound`` instead when ``src`` pruned the cut meanwhile)."""
+    s, d = core_of(src), core_of(dst)
+    d.require_writer("mirroring into a store")
+    if s.closed:
+        raise UsageError("mirroring from a closed store", store=s.url)
+    if s.url == d.url:
+        raise UsageError(f"a store cannot be its own mirror: {s.url}", store=s.url)
+    data, m, s_cls = _source_manifest(s, cut)
+    present = _on_mirror(s, d, m, data)
+    if present is None:
+        started = time.monotonic()
+        present = _copy_cut(s, d, m, data, progress)
+        d.events.emit("mirrored", cut=m.cut, step=m.step, source=s.url, nbytes=m.nbytes,
+                      seconds=round(time.monotonic() - started, 6))
+    if m.cut in s_cls.final and not present.final:
+        present = labeling.mark_final(d, m.cut)  # marked final after its commit, on the source
+    return present
+
+
+def mirror_missing(src: Store, dst: Store, *, progress: Progress | None = None,
+                   on_cut: OnCut | None = None) -> MirrorReport:
+    """Mirrors every cut :func:`missing` lists, oldest first. A cut whose source bytes do not verify
+    is reported (and recorded bad on the source) and the next one is mirrored; a storage error of
+    either store stops the catch-up and is raised (what was committed stays committed)."""
+    report = MirrorReport(source=src.url, mirror=dst.url)
+    todo = missing(src, dst)
+    cls = core_of(src).classify()
+    for i, cut in enumerate(todo, 1):
+        m = cls.find(cut)
+        if m is None:
+            report.removed.append(cut)
+            continue
+        if on_cut is not None:
+            on_cut(cls.info(m), i, len(todo))
+        try:
+            report.mirrored.append(mirror_cut(src, dst, cut, progress=progress))
+        except CutNotFound:
+            report.removed.append(cut)
+        except DataError as exc:
+            report.failed.append(exc)
+    return report
+
+
+def _source_manifest(s: StoreCore, cut: str) -> tuple[bytes, Manifest, Classification]:
+    """The bytes of committed cut ``cut``'s manifest on the source, what they parse to, and the
+    source's classification."""
+    layout.check_cut_id(cut, store=s.url)
+    cls = s.classify()
+    if cls.find(cut) is None:
+        raise CutNotFound(f"cut {cut} is not committed in {s.url}", store=s.url, cut=cut)
+    rel = layout.manifest_path(cut)
+    data = s.storage.read_bytes(rel)
+    return data, Manifest.from_bytes(data, store=s.url, cut=cut, path=rel), cls
+
+
+def _on_mirror(s: StoreCore, d: StoreCore, m: Manifest, data: bytes) -> CutInfo | None:
+    """The mirror's info of the cut when it holds it already (the same manifest bytes), None when it
+    does not; ``MirrorConflict`` when it holds another cut under its id or at its step."""
+    cls = d.classify()
+    have = cls.find(m.cut)
+    rel = layout.manifest_path(m.cut)
+    if have is not None:
+        if d.storage.read_bytes(rel) == data:
+            return cls.info(have)
+        raise MirrorConflict(f"the mirror holds cut {m.cut} with another manifest than the source {s.url}",
+                             store=d.url, cut=m.cut, path=rel,
+                             hint="a mirror belongs to one source store; give this one a URL of its own")
+    other = [x.cut for x in cls.committed if x.step == m.step]
+    if other:
+        raise MirrorConflict(f"the mirror holds cut {other[0]} at step {m.step}; the source {s.url} has cut "
+                             f"{m.cut} there", store=d.url, cut=other[0],
+                             hint="a mirror belongs to one source store; give this one a URL of its own")
+    return None
+
+
+def _copy_cut(s: StoreCore, d: StoreCore, m: Manifest, data: bytes, progress: Progress | None) -> CutInfo:
+    """The mirror's cut: marked first, every file streamed and checked, the manifest's bytes, then the
+    commit. Any failure abandons it (the mark goes last, so what a crash leaves stays marked)."""
+    pending = cutting.begin_cut(d, m.step, writer="mirror", cut=m.cut, world_size=m.world_size,
+                                above_latest=False)
+    damage: DataError | None = None
+    try:
+        damage = _copy_files(s.storage, d.storage, m, pending, progress)
+        if damage is None:
+            pending.files_durable()
+            return pending.commit_copy(data)
+    except BaseException:
+        pending.abandon()
+        raise
+    pending.abandon()
+    raise _source_damage(s, d, m, damage)
+
+
+def _copy_files(src: Storage, dst: Storage, m: Manifest, pending: PendingCut,
+                progress: Progress | None) -> DataError | None:
+    """Streams each of the cut's files (of every rank) into the pending cut and records them; the
+    first source file that does not verify stops it and is returned."""
+    by_file: dict[str, list[TensorRecord]] = {}
+    for t in m.tensors:
+        by_file.setdefault(t.file, []).append(t)
+    by_rank: dict[int, list[FileRecord]] = {}
+    for rec in m.files:
+        try:
+            _copy_file(src, dst, m, rec, by_file.get(rec.name, []), progress)
+        except DataError as exc:
+            return exc
+        by_rank.setdefault(rec.rank, []).append(rec)
+    for rank, files in sorted(by_rank.items()):
+        pending.add_files(files, [t for f in files for t in by_file.get(f.name, [])], rank=rank)
+    return None
+
+
+def _copy_file(src: Storage, dst: Storage, m: Manifest, rec: FileRecord, tensors: list[TensorRecord],
+               progress: Progress | None) -> None:
+    """One file: its stored bytes into a sink of the mirror as they are read and checked. The sink is
+    closed (durable) only once every check passed; otherwise it is aborted, so bad bytes never land."""
+    sink = dst.open_sink(layout.cut_file(m.cut, rec.name))
+
+    def tap(piece: memoryview | bytes) -> None:
+        # The read reuses its buffer for the next piece, and a POSIX sink may write a page-aligned
+        # piece straight from the caller's memory until it closes (zero copy): hand over a copy.
+        sink.write(bytes(piece))
+        if progress is not None:
+            progress(len(piece))
+
+    try:
+        read_shard_into(src, m.cut, rec, tensors, lambda t: None, format_version=m.format_version, verify=True,
+                        reuses_buffers=True, tap=tap)
+    except BaseException:
+        sink.abort()
+        raise
+    sink.close()
+
+
+def _source_damage(s: StoreCore, d: StoreCore, m: Manifest, exc: DataError) -> CkptStoreError:
+    """What to raise for a source file that did not verify: the error itself, once the cut is recorded
+    bad on the source; ``CutNotFound`` when the source pruned the cut meanwhile (prune deletes the
+    manifest first, so files going under a manifest that is gone are no damage)."""
+    gone = CutNotFound(f"cut {m.cut} was removed from {s.url} while it was mirrored", store=s.url, cut=m.cut)
+    try:
+        if not s.storage.exists(layout.manifest_path(m.cut)):
+            return gone
+    except CkptStoreError:
+        return exc  # cannot tell: only proven damage is recorded bad
+    try:
+        repairing.record_bad(s, m.cut, f"mirroring to {d.url}: {exc.message}")
+    except CutNotFound:
+        return gone
+    except StorageError as refused:  # a reader without write access, say: the error still says it all
+        log.warning("ckptstore: could not record bad cut %s of %s: %s", m.cut, s.url, refused)
+    return exc
+
+
+__all__ = ["MirrorConflict", "MirrorReport", "OnCut", "Progress", "missing", "mirror_cut", "mirror_missing"]
