@@ -189,14 +189,15 @@ def test_s3_writer_that_lost_its_lease_never_commits(s3_url):
     import time
 
     url, opts = s3_url
-    options = StoreOptions(storage_options=opts, lease_ttl_s=1.0)
+    # 2 s: at 1 s a loaded machine could let the lease lapse during the first save (seen under load)
+    options = StoreOptions(storage_options=opts, lease_ttl_s=2.0)
     stalled = ckptstore.Store.open(url, create=True, options=options)
     stalled.save(_state(1), step=1)
     stalled._lock._lease._stop.set()  # stall the renewals, as a paused or partitioned process would
     # The taker's own lease gets a longer ttl: on a loaded 2-core machine a 1 s lease can lapse during
-    # its first save, which is not what this test is about (the stalled writer's 1 s lease is).
+    # its first save, which is not what this test is about (the stalled writer's lease is).
     taker_options = StoreOptions(storage_options=opts, lease_ttl_s=5.0)
-    with _open_once_the_lease_expires(url, taker_options, deadline=time.monotonic() + 10) as taker:
+    with _open_once_the_lease_expires(url, taker_options, deadline=time.monotonic() + 15) as taker:
         taker.save(_state(2), step=2)
         with pytest.raises(ckptstore.StoreLocked) as exc:
             stalled.save(_state(3), step=3)
