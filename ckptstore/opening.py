@@ -158,6 +158,40 @@ def make_root(root: str, url: str) -> None:
         raise StorageError.from_os_error(exc, "creating the store directory", store=url, path=root) from exc
 
 
+def open_tiers(url: Url, mirror: Url | None, mirror_options: StoreOptions | None, *, alone_ok: bool = False,
+               create: bool = False, readonly: bool = False, options: StoreOptions | None = None, group: Any = None,
+               rank_timeout: float | None = None, recover: bool = True) -> tuple[StoreCore, StoreCore | None]:
+    """The local tier's core (:func:`open_core`) and its mirror's (:func:`open_mirror`; None without
+    one). ``alone_ok``: a missing local store (a replaced node) gives the mirror alone in the local's
+    place, for a readonly load (issue 21)."""
+    try:
+        core = open_core(url, create=create, readonly=readonly, options=options, group=group,
+                         rank_timeout=rank_timeout, recover=recover)
+    except StoreNotFound:
+        if mirror is None or not alone_ok:
+            raise
+        return open_one(mirror if isinstance(mirror, Storage) else store_url(mirror), create=False,
+                        role=Role.READER, options=mirror_options), None
+    try:
+        return core, None if mirror is None else open_mirror(mirror, core.url, mirror_options)
+    except BaseException:
+        core.close()
+        raise
+
+
+def open_mirror(url: Url, local: str, options: StoreOptions | None) -> StoreCore | None:
+    """The mirror tier of the store at ``local``, opened readonly for reads (issue 21): a mirror is read,
+    never locked, so no read waits for its writer; None while no store is there yet (a run's first
+    start, before its first cut was mirrored). Its writer (the Checkpointer's uploads) opens its own."""
+    url = url if isinstance(url, Storage) else store_url(url)
+    if (url.url if isinstance(url, Storage) else str(url)) == local:
+        raise UsageError(f"a store cannot be its own mirror: {local}", store=local)
+    try:
+        return open_one(url, create=False, role=Role.READER, options=options)
+    except StoreNotFound:
+        return None
+
+
 def open_for_repair(url: str | Storage, options: StoreOptions | None = None) -> StoreCore:
     """A writer handle without recovery, for ``ckptstore repair`` on a store whose LATEST is broken."""
     return open_one(url, create=False, role=Role.WRITER, options=options)
@@ -170,4 +204,4 @@ def open_participant(url: Url, options: StoreOptions | None = None) -> StoreCore
                     options=options)
 
 
-__all__ = ["make_root", "open_core", "open_for_repair", "open_one", "open_participant"]
+__all__ = ["make_root", "open_core", "open_for_repair", "open_mirror", "open_tiers", "open_one", "open_participant"]

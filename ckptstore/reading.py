@@ -10,7 +10,9 @@ answered SlowDown and read the store as "0 checkpoints" (dlio_benchmark issue 34
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from . import layout, pointed
@@ -24,7 +26,7 @@ from .info import CutInfo
 from .loader import load_manifest, restore_attached
 from .manifest import Manifest
 from .repairing import record_bad_quietly
-from .selection import CutSelector, choose_cut, latest_manifest, select_manifest
+from .selection import CutSelector, Tier, choose_across, latest_manifest, select_manifest
 from .verify import Progress, VerifyReport, verify_store
 
 
@@ -46,13 +48,21 @@ def latest(core: StoreCore) -> CutInfo | None:
 
 
 def load(core: StoreCore, cut: CutSelector, *, map_location: Any, verify: bool, keys: Sequence[str] | None,
-         allow_pickle: bool, fallback: bool, rank: int | None, allowed_types: Sequence[type] | None) -> Any:
-    """See :meth:`ckptstore.Store.load`."""
-    if fallback and cut == "latest":
-        info, _skipped = choose(core, fallback=True)
-        if info is None:
+         allow_pickle: bool, fallback: bool, rank: int | None, allowed_types: Sequence[type] | None,
+         mirror: StoreCore | None = None) -> Any:
+    """See :meth:`ckptstore.Store.load`. With a ``mirror`` (issue 21), "latest" is the newest cut that
+    verifies in either tier (:func:`choose_tiers`), and another selector reads the local tier's cut, or
+    the mirror's when the local tier has none by that name."""
+    if cut == "latest" and (fallback or mirror is not None):
+        chosen = choose_tiers(core, mirror, fallback=fallback)
+        if chosen.info is None:
             raise CutNotFound("the store has no committed cut yet", store=core.url)
-        cut = info.id
+        core, cut = chosen.core, chosen.info.id
+    elif mirror is not None:
+        try:
+            manifest(core, cut)
+        except CutNotFound:
+            core = mirror
     return load_part(core, rank_manifest(manifest(core, cut), rank, core.url), map_location=map_location,
                      verify=verify, keys=keys, allow_pickle=allow_pickle, allowed_types=allowed_types)
 
@@ -113,14 +123,39 @@ def named_manifest(core: StoreCore, cut: str) -> Manifest:
     return pointed.named_manifest(core.storage, core.url, cut)
 
 
-def choose(core: StoreCore, *, fallback: bool) -> tuple[CutInfo | None, dict[str, str]]:
+@dataclass(frozen=True)
+class Chosen:
+    """The cut to resume from across the tiers (issue 21): its info (None: no tier holds a cut), the cuts
+    skipped (id -> why), the tier whose copy verified ("local" or "mirror") and the handle to read it by."""
+
+    info: CutInfo | None
+    skipped: dict[str, str]
+    tier: str
+    core: StoreCore
+
+
+def choose(core: StoreCore, *, fallback: bool,
+           mirror: StoreCore | None = None) -> tuple[CutInfo | None, dict[str, str]]:
     """See :meth:`ckptstore.Store.choose`."""
-    info, skipped = choose_cut(core.storage, core.classify(), fallback=fallback,
-                               on_bad=lambda cut, why: record_bad_quietly(core, cut, why))
-    for bad_cut, why in skipped.items():
-        core.events.emit("fallback-skipped", cut=bad_cut, reason=why)
-        log.warning("ckptstore: skipped cut %s of %s: %s", bad_cut, core.url, why)
-    return info, skipped
+    chosen = choose_tiers(core, mirror, fallback=fallback)
+    return chosen.info, chosen.skipped
+
+
+def choose_tiers(core: StoreCore, mirror: StoreCore | None, *, fallback: bool) -> Chosen:
+    """The cut to resume from in the local tier ``core`` and its ``mirror`` (None: the local tier alone,
+    as ever), by :func:`ckptstore.selection.choose_across`. A copy proven damaged is recorded bad in its
+    own tier; each skip is logged and emitted on the local handle's events (naming the tier's copy when
+    there is a mirror). The mirror is only read: nothing here waits for, or locks, the local tier."""
+    cores = [core] if mirror is None else [core, mirror]
+    tiers = [Tier(name, c.storage, c.classify(), on_bad=functools.partial(record_bad_quietly, c))
+             for name, c in zip(("local", "mirror"), cores)]
+    choice = choose_across(tiers, fallback=fallback)
+    urls = {t.name: t.storage.url for t in tiers}
+    for name, bad_cut, why in choice.skips:
+        core.events.emit("fallback-skipped", cut=bad_cut, reason=f"{name} copy: {why}" if choice.several else why)
+        log.warning("ckptstore: skipped cut %s of %s: %s", bad_cut, urls[name], why)
+    i = choice.tier or 0
+    return Chosen(choice.info, choice.skipped, tiers[i].name, cores[i])
 
 
 def verify(core: StoreCore, cut: CutSelector | None, *, progress: Progress | None) -> VerifyReport:
@@ -144,5 +179,5 @@ def rank_manifest(m: Manifest, rank: int | None, url: str) -> Manifest:
         raise UsageError(str(exc), store=url, cut=m.cut) from None
 
 
-__all__ = ["choose", "cuts", "latest", "lists_nothing", "load", "load_part", "manifest", "named_manifest",
+__all__ = ["Chosen", "choose", "choose_tiers", "cuts", "latest", "lists_nothing", "load", "load_part", "manifest", "named_manifest",
            "pointed_manifest", "rank_manifest", "restore_files", "restore_part_files", "verify"]

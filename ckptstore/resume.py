@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from .errors import CutNotFound, UsageError
+from .core import Role, StoreCore
+from .errors import CutNotFound, StepConflict, StorageError, UsageError
+from .events import log
 from .info import CutInfo
 from .collective import Collective
 from . import reading, spi
 from .manifest import Manifest
+from .options import StoreOptions
 from .store import Store, core_of
 
 
@@ -68,13 +71,15 @@ def training_state(
 
 @dataclass(frozen=True)
 class Resumed:
-    """Where a run resumed: the cut, its step, the user's ``extra`` and the cuts skipped (id -> why)."""
+    """Where a run resumed: the cut, its step, the user's ``extra``, the cuts skipped (id -> why) and the
+    ``tier`` whose verified copy it resumed from ("local", or "mirror": issue 21)."""
 
     cut: CutInfo
     step: int
     extra: dict[str, Any]
     state: dict[str, Any]
     skipped: dict[str, str] = field(default_factory=dict)
+    tier: str = "local"
 
 
 def restore(
@@ -91,6 +96,8 @@ def restore(
     rank_timeout: float | None = None,
     allowed_types: Sequence[type] | None = None,
     files_to: str | os.PathLike[str] | None = None,
+    mirror: str | os.PathLike[str] | None = None,
+    mirror_options: StoreOptions | None = None,
 ) -> Resumed | None:
     """Loads the cut to resume from into the live objects; None for an empty store.
 
@@ -108,19 +115,26 @@ def restore(
 
     ``files_to``: put the files attached to the cut (``files=``) back under this directory
     (``Store.restore_files``: this rank's, replacing what is there), after the state was restored.
+
+    ``mirror`` (with a URL; a ``Store`` brings its own, ``Store.open(mirror=)``): the store's mirror tier
+    (issue 21). The cut is the newest that verifies in either tier (docs/resume.md, "Two tiers"); one
+    taken from the mirror is first copied into the local tier, verified as it streams, and read there.
     """
     own = not isinstance(url_or_store, Store)  # a str, a pathlib.Path (issue 19 item 11); Store.open checks the rest
-    store = Store.open(url_or_store, create=True, group=group, rank_timeout=rank_timeout) if own else url_or_store
+    if not own and mirror is not None:
+        raise UsageError("mirror= goes with a URL; open the store with Store.open(url, mirror=...) instead",
+                         store=url_or_store.url)
+    store = Store.open(url_or_store, create=True, group=group, rank_timeout=rank_timeout, mirror=mirror,
+                       mirror_options=mirror_options) if own else url_or_store
     try:
         if group is not None and store.ranks is None and _group_size(group) > 1:
             raise UsageError("restore(group=) needs a store opened with the same group= (or a URL)", store=store.url)
         objs = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         if store.ranks is None:
-            info, skipped = _choose(store, fallback)
-            if info is None:
-                return None
-            m = reading.named_manifest(core_of(store), info.id)
-            return _restore_part(store, m, info, skipped, None, objs, map_location, rng, allowed_types, files_to)
+            return _restore_one(store, fallback, objs, map_location, rng, allowed_types, files_to)
+        if store.mirror is not None:
+            raise UsageError("restore(group=) across a mirror tier is not built yet (issue 21: one process first)",
+                             store=store.url, hint="restore each rank from the local tier, or from the mirror's URL")
         with store.ranks.busy():  # beating while rank 0 chooses (fallback verifies) and each rank loads
             return _restore_ranks(store, fallback, objs, map_location, rng, allowed_types, files_to)
     finally:
@@ -134,12 +148,51 @@ def _group_size(group: Any) -> int:
     return dist.get_world_size(group)
 
 
-def _choose(store: Store, fallback: bool) -> tuple[CutInfo | None, dict[str, str]]:
-    latest = spi.classify(store).latest
-    info, skipped = store.choose(fallback=fallback)
-    if info is not None and fallback and not store.readonly and (latest is None or latest.cut != info.id):
-        spi.point_latest(store, info.id)
-    return info, skipped
+def _restore_one(store: Store, fallback: bool, objs: dict[str, Any], map_location: Any, rng: bool,
+                 allowed_types: Sequence[type] | None, files_to: str | os.PathLike[str] | None) -> Resumed | None:
+    """One process's restore: the cut chosen in either tier, read from the tier that holds it."""
+    chosen = _choose(store, fallback)
+    if chosen.info is None:
+        return None
+    m = reading.named_manifest(chosen.core, chosen.info.id)
+    return _restore_part(chosen.core, m, chosen.info, chosen.skipped, None, objs, map_location, rng, allowed_types,
+                         files_to, tier=chosen.tier)
+
+
+def _choose(store: Store, fallback: bool) -> reading.Chosen:
+    """The cut to resume from, in either tier (issue 21). On a writable store a cut taken from the mirror
+    that the local tier lacks is written back first; with ``fallback`` LATEST is pointed at the cut
+    resumed from, so the next cuts continue from its step (a local LATEST on a newer, damaged cut would
+    refuse them with ``StepConflict``)."""
+    core = core_of(store)
+    latest = core.classify().latest
+    chosen = reading.choose_tiers(core, None if store.mirror is None else core_of(store.mirror), fallback=fallback)
+    if chosen.info is None or store.readonly:
+        return chosen
+    held = chosen.tier == "local"  # the local tier holds the cut (a copy recorded bad there counts)
+    if not held and store.role is Role.WRITER:
+        held = core.classify().find(chosen.info.id) is not None
+        if not held:
+            chosen = _write_back(store, chosen)
+            held = chosen.core is core
+    if fallback and held and (latest is None or latest.cut != chosen.info.id):
+        spi.point_latest(store, chosen.info.id)
+    return chosen
+
+
+def _write_back(store: Store, chosen: reading.Chosen) -> reading.Chosen:
+    """Copies the mirror's cut into the local tier (verified as it streams: ``spi.mirror_cut`` with the
+    roles swapped) and reads it there, so the next restart is local. Synchronous for now (issue 21: in
+    the background is a later part). A local tier that refuses it (a full disk, another cut at its
+    step) leaves the restore reading the mirror's copy."""
+    assert store.mirror is not None and chosen.info is not None
+    try:
+        spi.mirror_cut(store.mirror, store, chosen.info.id)
+    except (StorageError, StepConflict) as exc:
+        log.warning("ckptstore: could not write cut %s back into %s: %s; reading the mirror's copy",
+                    chosen.info.id, store.url, exc)
+        return chosen
+    return replace(chosen, core=core_of(store))
 
 
 def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_location: Any, rng: bool,
@@ -149,8 +202,8 @@ def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_locat
     c = Collective(ranks, store=store.url)
 
     def choose() -> dict[str, Any]:
-        info, skipped = _choose(store, fallback)
-        return {"cut": info.id if info else None, "skipped": skipped}
+        chosen = _choose(store, fallback)
+        return {"cut": chosen.info.id if chosen.info else None, "skipped": chosen.skipped}
 
     chosen = c.coordinate("restore-choose", choose, doing="to choose the cut to resume from")
     if chosen["cut"] is None:
@@ -165,25 +218,24 @@ def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_locat
             raise UsageError(f"cut {m.cut} holds {m.world_size} rank(s) but this job has {ranks.size}; a per-rank "
                              "restore needs the world size of the save (resharding needs the DCP reader)",
                              store=store.url, cut=m.cut)
-        return _restore_part(store, m, CutInfo.from_manifest(m), dict(chosen["skipped"]), ranks.rank, objs,
+        return _restore_part(core_of(store), m, CutInfo.from_manifest(m), dict(chosen["skipped"]), ranks.rank, objs,
                              map_location, rng, allowed_types, files_to)
 
     return c.all("restore-done", restore_part, doing=f"restoring cut {chosen['cut']}")
 
 
-def _restore_part(store: Store, m: Manifest, info: CutInfo, skipped: dict[str, str], rank: int | None,
+def _restore_part(core: StoreCore, m: Manifest, info: CutInfo, skipped: dict[str, str], rank: int | None,
                   objs: dict[str, Any], map_location: Any, rng: bool, allowed_types: Sequence[type] | None,
-                  files_to: str | os.PathLike[str] | None = None) -> Resumed:
+                  files_to: str | os.PathLike[str] | None = None, tier: str = "local") -> Resumed:
     """Restores this rank's part of the chosen cut ``m`` (its manifest, read once: no rank classifies
-    the store again to find it)."""
+    the store again to find it) from ``core``, the handle of the tier that holds it."""
     from .dtensors import node_at, restore_into
 
-    core = core_of(store)
-    mine = reading.rank_manifest(m, rank, store.url)  # what load(rank=rank) reads
+    mine = reading.rank_manifest(m, rank, core.url)  # what load(rank=rank) reads
     part = m.for_rank(rank or 0)
     state = reading.load_part(core, mine, map_location=map_location, verify=True, keys=None, allow_pickle=False,
                               allowed_types=allowed_types)
-    where = {"store": store.url, "cut": info.id}
+    where = {"store": core.url, "cut": info.id}
     for key, obj in objs.items():
         if obj is not None:
             if not isinstance(state, dict) or key not in state:
@@ -197,4 +249,4 @@ def _restore_part(store: Store, m: Manifest, info: CutInfo, skipped: dict[str, s
     if files_to is not None:
         reading.restore_part_files(core, mine, files_to, overwrite=True, verify=True)
     return Resumed(cut=info, step=int(state.get("step", info.step)), extra=dict(state.get("extra", {})),
-                   state=state, skipped=skipped)
+                   state=state, skipped=skipped, tier=tier)

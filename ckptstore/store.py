@@ -63,10 +63,11 @@ _MOVED: dict[str, tuple[str, Callable[[StoreCore], Any]]] = {
 class Store:
     """A checkpoint store on one fsspec URL. Use :meth:`open`; close it (or use ``with``)."""
 
-    def __init__(self, core: StoreCore) -> None:
+    def __init__(self, core: StoreCore, mirror: StoreCore | None = None) -> None:
         self._core = core
-        # The lock and the protocol, under the names the fault tests reach them by (a stalled lease, a
-        # guard switched off).
+        self._mirror_core = mirror  # the mirror tier's reader (issue 21)
+        self._mirror = None if mirror is None else Store(mirror)
+        # The lock and protocol, under the names fault tests reach them by (a stalled lease, a guard off).
         self._lock = core.lock
         self._protocol = core.protocol
 
@@ -100,6 +101,11 @@ class Store:
         return self._core.ranks
 
     @property
+    def mirror(self) -> "Store | None":
+        """The mirror tier (issue 21) this handle reads too, a reader; None without one or none there yet."""
+        return self._mirror
+
+    @property
     def events(self) -> Emitter:
         return self._core.events
 
@@ -120,6 +126,7 @@ class Store:
         group: Any = None,
         rank_timeout: float | None = None,
         recover: bool = True,
+        mirror: str | os.PathLike[str] | Storage | None = None, mirror_options: StoreOptions | None = None,
     ) -> "Store":
         """Opens the store at ``url`` (a path, a ``pathlib.Path``, an fsspec URL, or a
         :class:`~ckptstore.storage.Storage`).
@@ -140,13 +147,18 @@ class Store:
         is collective. ``rank_timeout`` (seconds, default 300) bounds how long a rank waits for one
         that shows no sign of life (:mod:`ckptstore.ranks`). ``group=None`` is one process, also when
         torch.distributed is initialized.
+
+        ``mirror`` (+ ``mirror_options``), a mirror tier opened readonly (:attr:`mirror`, issue 21): ``choose``,
+        ``load("latest")``, ``restore`` take the newest cut verified in either; the rest is the local tier's.
         """
-        return cls(opening.open_core(url, create=create, readonly=readonly, options=options, group=group,
-                                     rank_timeout=rank_timeout, recover=recover))
+        return cls(*opening.open_tiers(url, mirror, mirror_options, create=create, readonly=readonly,
+                                       options=options, group=group, rank_timeout=rank_timeout, recover=recover))
 
     def close(self) -> None:
-        """Releases the writer lock. Idempotent. Not collective: each rank closes its own handle."""
+        """Releases the writer lock, closes the mirror's handle. Idempotent. Not collective (per rank)."""
         self._core.close()
+        if self._mirror is not None:
+            self._mirror.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -195,7 +207,8 @@ class Store:
     ) -> Any:
         """The state saved in a committed cut (see :func:`ckptstore.load`)."""
         return reading.load(self._core, cut, map_location=map_location, verify=verify, keys=keys,
-                            allow_pickle=allow_pickle, fallback=fallback, rank=rank, allowed_types=allowed_types)
+                            allow_pickle=allow_pickle, fallback=fallback, rank=rank, allowed_types=allowed_types,
+                            mirror=self._mirror_core)
 
     def restore_files(self, cut: CutSelector = "latest", to: str | os.PathLike[str] = ".", *,
                       rank: int | None = None, overwrite: bool = True, verify: bool = True) -> list[str]:
@@ -211,9 +224,10 @@ class Store:
         return reading.restore_files(self._core, cut, to, rank=rank, overwrite=overwrite, verify=verify)
 
     def choose(self, *, fallback: bool) -> tuple[CutInfo | None, dict[str, str]]:
-        """The cut to resume from (see :func:`ckptstore.selection.choose_cut`); with ``fallback`` the
-        cuts proven damaged are recorded bad, and each skip is logged and emitted."""
-        return reading.choose(self._core, fallback=fallback)
+        """The cut to resume from (see :func:`ckptstore.selection.choose_across`): with a mirror, the
+        newest that verifies in either tier. With ``fallback`` the copies proven damaged are recorded bad
+        in their own tier, and each skip is logged and emitted."""
+        return reading.choose(self._core, fallback=fallback, mirror=self._mirror_core)
 
     @pausing
     def verify(self, cut: CutSelector | None = None, *, progress: Progress | None = None) -> VerifyReport:
@@ -350,6 +364,8 @@ def load(
     storage_options: dict[str, Any] | None = None,
     rank: int | None = None,
     allowed_types: Sequence[type] | None = None,
+    mirror: str | os.PathLike[str] | Storage | None = None,
+    mirror_options: StoreOptions | None = None,
 ) -> Any:
     """Loads a committed cut: "latest" (default), a cut id, or an int step.
 
@@ -365,12 +381,17 @@ def load(
     them again. ``allowed_types`` (a list of classes, e.g. ``[Color, OptimCfg]``) are the user classes
     whose enum members, dataclasses, namedtuples and class objects come back as themselves, matched by
     qualified name; the others come back in plain shapes (docs/format.md). Nothing is imported by name.
+
+    ``mirror`` (with ``mirror_options``): the mirror tier (issue 21); both are opened readonly, "latest"
+    is the newest cut that verifies in either, and a missing local store loads from the mirror alone.
     """
     kw = dict(map_location=map_location, verify=verify, keys=keys, allow_pickle=allow_pickle, fallback=fallback,
               rank=rank, allowed_types=allowed_types)
     if isinstance(url, Store):
         return url.load(cut, **kw)  # type: ignore[arg-type]
-    with Store.open(url, readonly=True, options=StoreOptions(storage_options=storage_options)) as store:
+    tiers = opening.open_tiers(url, mirror, mirror_options, alone_ok=True, readonly=True,
+                               options=StoreOptions(storage_options=storage_options))
+    with Store(*tiers) as store:
         return store.load(cut, **kw)  # type: ignore[arg-type]
 
 

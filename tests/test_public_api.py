@@ -79,7 +79,7 @@ def test_exceptions_form_one_tree() -> None:
 #: ``Store``'s public face is the user API only (issue 20): methods, and the read-only properties.
 STORE_METHODS = ["begin_cut", "choose", "close", "cuts", "gc", "label", "labels", "latest", "load", "manifest",
                  "mark_final", "open", "prune", "remove", "repair", "restore_files", "save", "unlabel", "verify"]
-STORE_PROPERTIES = ["events", "options", "ranks", "readonly", "recovered", "role", "storage", "url"]
+STORE_PROPERTIES = ["events", "mirror", "options", "ranks", "readonly", "recovered", "role", "storage", "url"]
 
 #: What ``ckptstore.writer`` and ``ckptstore.integrations`` may use beyond the user API (issue 20).
 EXPECTED_SPI = [
