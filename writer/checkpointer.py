@@ -31,6 +31,7 @@ from ckptstore.spi import Emitter
 
 from .errors import WriterError
 from .handle import CutHandle, elapsed
+from .mirror import MirrorTier, MirrorTimeout
 from .options import UNSET, WriterOptions, resolve_options
 from .pipeline import CommitPipeline, writer_spec
 from .preemption import PreemptionWatch
@@ -56,6 +57,17 @@ def _open_store(url_or_store: str | Store, store_options: StoreOptions | None, g
     return store, owns
 
 
+def _check_mirror_args(mirror: str | None, mirror_options: StoreOptions | None, options: WriterOptions,
+                       group: Any) -> None:
+    """The mirror's arguments make sense together (issue 21: world size 1 first)."""
+    if mirror is None and (mirror_options is not None or options.mirror_keep is not None):
+        raise UsageError("mirror_options and mirror_keep go with mirror=URL")
+    if mirror is not None and group is not None:
+        raise UsageError("a Checkpointer with group= cannot mirror yet: the mirror tier runs for one "
+                         "process only (issue 21 adds several ranks later)",
+                         hint="mirror the store after the run with `ckptstore mirror URL --to MIRROR`")
+
+
 class Checkpointer:
     """Takes background cuts of a training state into a store (see docs/writer.md)."""
 
@@ -71,13 +83,18 @@ class Checkpointer:
         store_options: StoreOptions | None = None,
         group: Any = None,
         rank_timeout: float | None = None,
+        mirror: str | None = None,
+        mirror_options: StoreOptions | None = None,
         **more: Any,
     ) -> None:
         """``url_or_store``: a URL (the store is opened, and created when missing, with
         ``store_options``: compression, shard size, storage_options) or an open writer ``Store``.
         ``group``: a torch.distributed process group whose ranks take cuts together (collective calls;
-        ``rank_timeout`` as in ``Store.open``); None is one process."""
+        ``rank_timeout`` as in ``Store.open``); None is one process. ``mirror``: the URL of a store each
+        committed cut is copied into behind the loop (opened, and created, with ``mirror_options``;
+        pruned with ``mirror_keep``; issue 21, docs/writer.md "A mirror tier")."""
         self.options = options = resolve_options(options, every=every, keep=keep, mode=mode, busy=busy, **more)
+        _check_mirror_args(mirror, mirror_options, options, group)
         self.store, self._owns_store = _open_store(url_or_store, store_options, group, rank_timeout)
         try:
             spec = writer_spec(self.store, options.mode)
@@ -101,6 +118,13 @@ class Checkpointer:
         ranks = self.store.ranks
         self.ranked: RankedCuts | None = RankedCuts(self._pipeline, ranks) if ranks is not None else None
         self._closed = False
+        #: The mirror tier (``mirror=``; None without one).
+        self.mirror: MirrorTier | None = None
+        if mirror is not None:
+            self.mirror = MirrorTier(self.store, mirror, mirror_options, options.mirror_keep, self.events,
+                                     retry_s=options.mirror_retry_s)
+            self._pipeline.mirror = self.mirror
+            self.mirror.start()
         self._pipeline.start()
         atexit.register(self._at_exit)
         #: True once a preemption cut (``preemption=True``) committed: the loop should end now.
@@ -165,6 +189,9 @@ class Checkpointer:
         assert handle is not None
         if final:
             handle.wait()
+            if self.mirror is not None:
+                # The only wait for the mirror besides close() (issue 21), bounded: MirrorTimeout.
+                self.mirror.wait(handle.id, self.options.mirror_timeout)
         return handle
 
     def mark_final(self, step: int | None = None) -> CutInfo:
@@ -235,12 +262,16 @@ class Checkpointer:
             self._preemption.close()
         cleanup_errors: list[BaseException] = []
         self._pipeline.stop(timeout)
-        for closer in (self._close_writer, self._close_block, self._close_store):
+        for closer in (self._drain_mirror, self._close_writer, self._close_block, self._close_mirror,
+                       self._close_store):
             try:
                 closer()
             except BaseException as exc:  # noqa: BLE001 - keep closing; report below
                 cleanup_errors.append(exc)
         self._cuts.raise_unreported()
+        timeouts = [e for e in cleanup_errors if isinstance(e, MirrorTimeout)]
+        if timeouts:
+            raise timeouts[0]  # its own type: every cut is committed locally, the mirror is behind
         if cleanup_errors:
             # The last cut taken, not the ledger's open cuts: raise_unreported above forgets committed ones.
             last = self._cuts.current
@@ -326,6 +357,14 @@ class Checkpointer:
 
     def _close_block(self) -> None:
         self._pipeline.close_block()
+
+    def _drain_mirror(self) -> None:
+        if self.mirror is not None:
+            self.mirror.drain(self.options.mirror_timeout)
+
+    def _close_mirror(self) -> None:
+        if self.mirror is not None:
+            self.mirror.close()
 
     def _close_store(self) -> None:
         if self._jsonl is not None:

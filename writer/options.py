@@ -41,6 +41,9 @@ class WriterOptions:
     and the trainer writes the cut itself). ``events_path`` appends one JSON line per event.
     ``preemption``: SIGTERM and SIGUSR1 only raise a flag, and the next ``maybe_cut`` takes a cut of its
     step, waits for its commit and sets ``Checkpointer.preempted`` (docs/writer.md, "Preemption").
+    With a mirror (``Checkpointer(..., mirror=URL)``, issue 21): ``mirror_keep`` prunes the mirror (None:
+    keeps every cut there); ``mirror_timeout`` bounds the waits of ``cut(final=True)`` and ``close()`` for
+    the mirror; ``mirror_retry_s`` is the first wait after a failed upload (doubling, up to 30 s).
     """
 
     every: int = 1
@@ -57,6 +60,9 @@ class WriterOptions:
     events_path: str | None = None
     device_copy: bool = True
     preemption: bool = False
+    mirror_keep: Policy | None = None
+    mirror_timeout: float = 600.0
+    mirror_retry_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -69,8 +75,10 @@ class WriterOptions:
             raise ValueError(f"busy must be 'skip' or 'wait', got {self.busy!r}")
         if not 0 <= self.nice <= 19:
             raise ValueError("nice must be in [0, 19]")
-        if self.write_timeout <= 0 or self.handshake_timeout <= 0:
+        if self.write_timeout <= 0 or self.handshake_timeout <= 0 or self.mirror_timeout <= 0:
             raise ValueError("timeouts must be positive")
+        if self.mirror_retry_s <= 0:
+            raise ValueError("mirror_retry_s must be positive")
 
 
 def resolve_options(options: WriterOptions | None, **given: Any) -> WriterOptions:

@@ -14,7 +14,8 @@ many (issue 20):
    the commit thread from the same block, and published (one rank: to the pending cut; several: a
    durable rank record);
 3. rank 0 commits once every part is durable (``PendingCut.finish``); every rank hears the outcome;
-4. rank 0 prunes (``keep``): a failed prune never fails a committed cut.
+4. with a mirror, rank 0 hands the committed cut to the mirror tier (:mod:`ckptstore.writer.mirror`);
+5. rank 0 prunes (``keep``, sparing what the mirror still needs): a failed prune never fails a committed cut.
 
 Nothing here raises to the loop: the outcome lands in the cut's handle, and the ledger
 (:class:`~ckptstore.writer.ledger.CutLedger`) raises an unreported failure at the next call.
@@ -42,6 +43,7 @@ from .capture import Captured, Pinning, capture
 from .errors import WriterDied, WriterTimeout
 from .handle import CutHandle, elapsed
 from .ledger import CutLedger
+from .mirror import MirrorTier
 from .options import WriterOptions
 from .plan import grown_size
 from .process import WriterProcess
@@ -96,6 +98,8 @@ class CommitPipeline:
         self._pinning = Pinning()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        #: The mirror tier each committed cut is handed to (issue 21; None: no mirror).
+        self.mirror: MirrorTier | None = None
 
     def start(self) -> None:
         """Starts the writer process (process mode) and the commit thread (process and thread mode)."""
@@ -236,14 +240,18 @@ class CommitPipeline:
                          timings={"commit": elapsed(t_commit) if c.coordinator else None, "total": elapsed(t0)},
                          writer_mode=self.options.mode, fallback=handle.fallback, final=intent.final,
                          **({"world_size": c.size} if c.size > 1 else {}))
+        if self.mirror is not None and c.coordinator:
+            self.mirror.submit(info)  # after "committed", before the prune, which must now spare it
         self._prune(handle.step)
 
     def _prune(self, step: int) -> None:
-        """Rank 0 applies ``keep`` after a commit; a failed prune never fails the committed cut."""
+        """Rank 0 applies ``keep`` after a commit; a failed prune never fails the committed cut. With a
+        mirror, a cut still waiting for it is kept too (issue 21: never pruned before it is mirrored)."""
         if not self.collective.coordinator or self.options.keep is None:
             return
+        keep = self.options.keep if self.mirror is None else self.options.keep | self.mirror.hold()
         try:
-            self.store.prune(self.options.keep)
+            self.store.prune(keep)
         except BaseException as exc:  # noqa: BLE001 - the cut is committed; say so and go on
             self.events.emit("warning", step=step, message=f"prune failed: {exc}")
 

@@ -1,0 +1,302 @@
+"""The Checkpointer's mirror tier (issue 21, second part): each cut committed locally is copied into a
+mirror store behind the loop, oldest first, with :func:`ckptstore.spi.mirror_cut` (byte for byte,
+through the mirror's own protocol, every byte checked against the local manifest as it streams).
+
+One thread (``ckptstore-mirror``) does every upload, so the loop never waits for the mirror except at
+``cut(final=True)`` and ``close()`` (:meth:`MirrorTier.wait`, :meth:`MirrorTier.drain`, bounded by
+``mirror_timeout``; a timeout is :class:`MirrorTimeout` and leaves every cut committed locally).
+
+- **Backlog.** Cuts wait in step order. When more than one waits, those ``mirror_keep`` would not keep
+  (among the mirror's cuts and the waiting ones) are skipped (event ``mirror-skipped``), the newest
+  never: a slow mirror costs lag, never trainer time.
+- **Retries.** A failed upload (the mirror unreachable, throttling, a full disk) is event
+  ``mirror-failed`` and is retried after a backoff (``mirror_retry_s``, doubling up to 30 s), with the
+  mirror's handle opened again (its recovery removes what the failed copy left). A cut whose local
+  bytes do not verify (recorded bad locally) or that conflicts with the mirror is not retried.
+- **Retention across tiers.** After each upload the mirror is pruned with ``mirror_keep`` (the store's
+  prune never removes LATEST's target, so the mirror's newest cut stays). :meth:`MirrorTier.hold` is
+  what the local prune must also keep: every cut waiting for the mirror or being uploaded (and, until
+  the first look at both stores is done, every cut).
+- **Catch-up.** The thread's first act is to compare the two stores: every local committed cut the
+  mirror lacks joins the backlog, so a cut committed by a trainer that died before its upload (or by
+  its writer's rescue) reaches the mirror after the next Checkpointer open.
+
+The local tier is read through a reader handle of its own (the commit thread keeps the writer handle),
+over the same storage. World size 1 only for now (issue 21 names several ranks as a later part).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ckptstore import CutInfo, Store, StoreOptions
+from ckptstore.errors import CutNotFound, DataError
+from ckptstore import spi
+from ckptstore.spi import Emitter, MirrorConflict, Policy
+
+from .errors import WriterError
+
+#: The longest wait between two attempts at a mirror that keeps failing.
+RETRY_MAX_S = 30.0
+#: How long ``close`` waits for the mirror thread to end once told to stop (an upload under way ends first).
+JOIN_S = 30.0
+
+
+class MirrorTimeout(WriterError, wire="mirror-timeout"):
+    """A cut did not reach the mirror within ``mirror_timeout``; every cut stays committed locally, and
+    the next Checkpointer open uploads what the mirror lacks (its catch-up)."""
+
+
+@dataclass(frozen=True)
+class _Hold(Policy):
+    """Keeps the cuts named (``None``: every cut). ORed into the local ``keep`` as a hard keep."""
+
+    ids: frozenset[str] | None
+
+    def keep(self, cuts: Sequence[Any]) -> set[str]:
+        return {c.id for c in cuts if self.ids is None or c.id in self.ids}
+
+
+class MirrorTier:
+    """The backlog of cuts for the mirror and the thread that uploads them (see the module docstring)."""
+
+    def __init__(self, source: Store, url: str, options: StoreOptions | None, keep: Policy | None,
+                 events: Emitter, *, retry_s: float) -> None:
+        self.url = url
+        self._source, self._options, self._keep, self._events = source, options, keep, events
+        self._retry_s = retry_s
+        self._cond = threading.Condition()
+        self._backlog: dict[str, CutInfo] = {}  # committed locally, not yet on the mirror
+        self._uploading: CutInfo | None = None
+        self._on_mirror: dict[str, CutInfo] = {}  # what the mirror holds, as far as this tier knows
+        self._gone: dict[str, BaseException | str] = {}  # cut -> why it will not reach the mirror
+        self._scanned = False
+        self._stopping = False
+        self._failures = 0
+        self._last_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ckptstore-mirror", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ------------------------------------------------------------------------ the Checkpointer's side
+    def submit(self, info: CutInfo) -> None:
+        """A cut just committed locally (the commit thread, after its ``committed`` event)."""
+        with self._cond:
+            self._backlog[info.id] = info
+            self._cond.notify_all()
+
+    def hold(self) -> Policy:
+        """What the local prune keeps besides ``keep``: every cut not yet on the mirror that is waiting
+        or uploading (issue 21: a cut the mirror still needs is never pruned locally)."""
+        with self._cond:
+            if not self._scanned:
+                return _Hold(None)
+            ids = set(self._backlog) | ({self._uploading.id} if self._uploading is not None else set())
+            return _Hold(frozenset(ids))
+
+    def wait(self, cut: str, timeout: float) -> CutInfo:
+        """Returns the mirror's info of ``cut`` once it is there; ``MirrorTimeout`` after ``timeout``
+        seconds, or the error that ended its upload for good."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while cut not in self._on_mirror:
+                why = self._gone.get(cut)
+                if isinstance(why, BaseException):
+                    raise why
+                if why is not None:
+                    raise WriterError(f"cut {cut} will not reach the mirror {self.url}: {why}", store=self.url, cut=cut)
+                if not self._cond.wait(deadline - time.monotonic()) and time.monotonic() >= deadline:
+                    raise self._timeout(timeout, [cut])
+            return self._on_mirror[cut]
+
+    def drain(self, timeout: float) -> None:
+        """Waits until nothing is left to upload; ``MirrorTimeout`` naming what is left after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._backlog or self._uploading is not None:
+                if not self._cond.wait(deadline - time.monotonic()) and time.monotonic() >= deadline:
+                    left = sorted(self._backlog.values(), key=lambda c: c.step)
+                    if self._uploading is not None:
+                        left.insert(0, self._uploading)
+                    raise self._timeout(timeout, [c.id for c in left])
+
+    def close(self) -> None:
+        """Stops the thread (after the upload under way, bounded by ``JOIN_S``); what is left waiting
+        stays committed locally, for the next open's catch-up."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(JOIN_S)
+
+    def _timeout(self, timeout: float, cuts: list[str]) -> MirrorTimeout:
+        last = f"; last error: {type(self._last_error).__name__}: {self._last_error}" if self._last_error else ""
+        return MirrorTimeout(f"{len(cuts)} cut(s) did not reach the mirror {self.url} within {timeout:g} s "
+                             f"({', '.join(cuts)}){last}; every cut stays committed locally", store=self.url,
+                             cut=cuts[0], hint="the next Checkpointer open uploads what the mirror lacks")
+
+    # ------------------------------------------------------------------------------- the mirror thread
+    def _run(self) -> None:
+        stores: tuple[Store, Store] | None = None
+        try:
+            while True:
+                if stores is None:
+                    stores = self._connect()
+                    if stores is None:
+                        return
+                info = self._next()
+                if info is None:
+                    return
+                if not self._upload(*stores, info):
+                    _close_both(stores)
+                    stores = None  # opened again: its recovery removes what the failed copy left
+                    self._back_off()
+        finally:
+            if stores is not None:
+                _close_both(stores)
+            with self._cond:
+                self._uploading = None
+                self._cond.notify_all()
+
+    def _connect(self) -> tuple[Store, Store] | None:
+        """A reader of the local tier and the mirror's writer handle, and (the first time) the catch-up;
+        retried with backoff while the mirror cannot be reached. None once told to stop."""
+        while not self._stopping:
+            reader: Store | None = None
+            try:
+                reader = Store.open(self._source.storage, readonly=True, options=self._source.options)
+                mirror = Store.open(self.url, create=True, options=self._options)
+            except Exception as exc:  # noqa: BLE001 - reported, retried
+                if reader is not None:
+                    reader.close()
+                self._failed(None, exc, retry=True)
+                self._back_off()
+                continue
+            try:
+                if not self._scanned:
+                    self._scan(reader, mirror)
+                return reader, mirror
+            except Exception as exc:  # noqa: BLE001 - reported, retried
+                _close_both((reader, mirror))
+                self._failed(None, exc, retry=True)
+                self._back_off()
+        return None
+
+    def _scan(self, reader: Store, mirror: Store) -> None:
+        """The catch-up: every local committed cut the mirror lacks (a cut recorded bad left out) joins
+        the backlog; what the mirror holds is remembered for ``mirror_keep``'s choices."""
+        have = spi.classify(mirror)
+        local = spi.classify(reader)
+        with self._cond:
+            self._on_mirror.update({m.cut: have.info(m) for m in have.committed})
+            for m in local.committed:
+                if m.cut not in self._on_mirror and m.cut not in local.bad:
+                    self._backlog.setdefault(m.cut, local.info(m))
+            self._scanned = True
+            self._cond.notify_all()
+
+    def _next(self) -> CutInfo | None:
+        """The oldest cut left to upload once the backlog's unkept cuts are skipped; None once stopping."""
+        with self._cond:
+            while not self._backlog and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            self._skip_unkept()
+            info = min(self._backlog.values(), key=lambda c: c.step)
+            del self._backlog[info.id]
+            self._uploading = info
+            return info
+
+    def _skip_unkept(self) -> None:
+        """Behind (more than one cut waiting): drops those ``mirror_keep`` would not keep, never the newest."""
+        if self._keep is None or len(self._backlog) < 2:
+            return
+        kept = self._keep.keep([*self._on_mirror.values(), *self._backlog.values()])
+        newest = max(self._backlog.values(), key=lambda c: c.step)
+        for info in sorted(self._backlog.values(), key=lambda c: c.step):
+            if info.id not in kept and info is not newest:
+                del self._backlog[info.id]
+                self._gone[info.id] = f"skipped: the mirror fell behind and mirror_keep keeps step {newest.step}"
+                self._events.emit("mirror-skipped", step=info.step, cut=info.id, reason=self._gone[info.id])
+
+    def _upload(self, reader: Store, mirror: Store, info: CutInfo) -> bool:
+        """One cut onto the mirror, then the mirror's prune; False when it should be tried again."""
+        t0 = time.perf_counter()
+        try:
+            got = spi.mirror_cut(reader, mirror, info.id)
+        except CutNotFound as exc:  # pruned locally meanwhile: nothing to upload
+            self._end(info, exc)
+            self._events.emit("mirror-skipped", step=info.step, cut=info.id, reason=str(exc))
+            return True
+        except (DataError, MirrorConflict) as exc:  # proven damage, or another run's mirror: not retried
+            self._end(info, exc)
+            self._failed(info, exc, retry=False)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the mirror failed: back in the backlog, tried again
+            with self._cond:
+                self._backlog[info.id] = info
+                self._uploading = None
+                self._cond.notify_all()
+            self._failed(info, exc, retry=True)
+            return False
+        self._failures, self._last_error = 0, None
+        self._events.emit("mirrored", step=info.step, cut=info.id, bytes=got.nbytes,
+                          seconds=round(time.perf_counter() - t0, 6))
+        with self._cond:
+            self._on_mirror[info.id] = got
+            self._uploading = None
+            self._cond.notify_all()
+        self._prune_mirror(mirror, info)
+        return True
+
+    def _prune_mirror(self, mirror: Store, info: CutInfo) -> None:
+        if self._keep is None:
+            return
+        try:
+            removed = mirror.prune(self._keep)
+        except Exception as exc:  # noqa: BLE001 - the upload stands; say so and go on
+            self._events.emit("warning", step=info.step, message=f"mirror prune failed: {exc}")
+            return
+        with self._cond:
+            for c in removed:
+                self._on_mirror.pop(c.id, None)
+
+    def _end(self, info: CutInfo, why: BaseException) -> None:
+        with self._cond:
+            self._gone[info.id] = why
+            self._uploading = None
+            self._cond.notify_all()
+
+    def _failed(self, info: CutInfo | None, exc: BaseException, *, retry: bool) -> None:
+        self._last_error = exc
+        if retry:
+            self._failures += 1
+        self._events.emit("mirror-failed", step=info.step if info else None, cut=info.id if info else None,
+                          error=str(exc), error_type=type(exc).__name__, attempt=self._failures,
+                          retry_in=round(self._delay(), 3) if retry else None)
+
+    def _delay(self) -> float:
+        return min(self._retry_s * 2 ** max(0, self._failures - 1), RETRY_MAX_S)
+
+    def _back_off(self) -> None:
+        """Waits before the next attempt; a stop ends the wait at once."""
+        deadline = time.monotonic() + self._delay()
+        with self._cond:
+            while not self._stopping and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+
+
+def _close_both(stores: tuple[Store, Store]) -> None:
+    for store in stores:
+        try:
+            store.close()
+        except Exception:  # noqa: BLE001 - a handle that cannot close releases nothing more
+            pass
+
+
+__all__ = ["MirrorTier", "MirrorTimeout"]
