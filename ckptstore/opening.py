@@ -12,6 +12,7 @@ from . import layout
 from .collect import recover as run_recovery
 from .core import Role, StoreCore
 from .errors import StorageError, StoreNotFound, UsageError
+from .events import log
 from .latest import StoreIdentity
 from .options import StoreOptions
 from .protocol import now_iso
@@ -189,6 +190,11 @@ def open_mirror(url: Url, local: str, options: StoreOptions | None) -> StoreCore
     try:
         return open_one(url, create=False, role=Role.READER, options=options)
     except StoreNotFound:
+        return None
+    except StorageError as exc:
+        # A mirror that is down must not stop a restart that its local tier can serve ("mirror
+        # unreachable: local cuts go on", issue 21): read the local tier alone, and say so.
+        log.warning("the mirror %s is unreachable (%s); reading the local tier %s alone", url, exc, local)
         return None
 
 

@@ -40,8 +40,11 @@ from .ranked import RankedCuts, agree_ready
 
 
 def _open_store(url_or_store: str | Store, store_options: StoreOptions | None, group: Any,
-                rank_timeout: float | None) -> tuple[Store, bool]:
-    """The writer store to cut into, and whether the Checkpointer opened it (so closes it)."""
+                rank_timeout: float | None, mirror: str | None = None,
+                mirror_options: StoreOptions | None = None) -> tuple[Store, bool]:
+    """The writer store to cut into, and whether the Checkpointer opened it (so closes it). Opened from a
+    URL with ``mirror=``, it knows its mirror, so ``restore(ck.store, ...)`` takes the newest verified
+    cut of either tier (issue 21)."""
     if isinstance(url_or_store, Store):
         if store_options is not None:
             raise UsageError("store_options go with a URL; this store was opened with its own options",
@@ -50,8 +53,9 @@ def _open_store(url_or_store: str | Store, store_options: StoreOptions | None, g
             raise UsageError("group= needs a store opened with group= (or pass the URL)", store=url_or_store.url)
         store, owns = url_or_store, False
     else:
+        tiers = {"mirror": mirror, "mirror_options": mirror_options} if mirror is not None else {}
         store, owns = Store.open(url_or_store, create=True, options=store_options, group=group,
-                                 rank_timeout=rank_timeout), True
+                                 rank_timeout=rank_timeout, **tiers), True
     if store.readonly:
         raise UsageError("a Checkpointer needs a store opened for writing", store=store.url)
     return store, owns
@@ -95,7 +99,8 @@ class Checkpointer:
         pruned with ``mirror_keep``; issue 21, docs/writer.md "A mirror tier")."""
         self.options = options = resolve_options(options, every=every, keep=keep, mode=mode, busy=busy, **more)
         _check_mirror_args(mirror, mirror_options, options, group)
-        self.store, self._owns_store = _open_store(url_or_store, store_options, group, rank_timeout)
+        self.store, self._owns_store = _open_store(url_or_store, store_options, group, rank_timeout, mirror,
+                                                   mirror_options)
         try:
             spec = writer_spec(self.store, options.mode)
             if self.store.ranks is None or self.store.ranks.rank == 0:

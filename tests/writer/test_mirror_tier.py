@@ -133,3 +133,25 @@ def test_a_group_checkpointer_cannot_mirror_yet_and_mirror_keep_needs_a_mirror(t
     with pytest.raises(UsageError, match="mirror="):
         Checkpointer(str(tmp_path / "a"), mode="thread", mirror_keep=ckptstore.KeepLast(1))
     assert not (tmp_path / "a").exists()
+
+
+def test_a_replaced_node_resumes_from_the_mirror_through_the_checkpointers_store_and_goes_on(tmp_path: Path) -> None:
+    """The issue's own loop: ``restore(ck.store, fallback=True)`` takes the newest verified cut of either
+    tier, so a node whose local tier is gone resumes from the mirror, and its next cuts reach both."""
+    import shutil
+
+    url, murl = str(tmp_path / "local"), str(tmp_path / "mirror")
+    states = {step: clone_state(small_state(step)) for step in (1, 2, 3)}
+    with Checkpointer(url, every=1, busy="wait", mode="thread", mirror=murl) as ck:
+        for step in (1, 2):
+            ck.maybe_cut(step, states[step])
+        ck.cut(3, states[3], final=True)
+    shutil.rmtree(url)  # the node is replaced: an empty local directory
+    log = EventLog()
+    with Checkpointer(url, every=1, busy="wait", mode="thread", mirror=murl, on_event=log) as ck:
+        resumed = ckptstore.restore(ck.store, fallback=True, rng=False)  # the state's "rng" is plain data here
+        assert resumed is not None and resumed.step == 3 and resumed.tier == "mirror"
+        assert_state_equal(resumed.state, states[3])
+        ck.cut(4, small_state(4), final=True)
+    assert _ids(url)[-1] == _ids(murl)[-1] and [c.split("-")[1] for c in _ids(murl)][-2:] == ["000000000003",
+                                                                                              "000000000004"]
