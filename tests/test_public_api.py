@@ -153,7 +153,7 @@ def test_the_moved_store_methods_still_work_for_one_release_and_warn(tmp_path) -
 
 #: ``ckptstore.writer``'s public API (issue 20): its exports and the Checkpointer's public face.
 EXPECTED_WRITER_ALL = ["Checkpointer", "CutHandle", "WriterOptions", "WriterError", "WriterDied", "WriterTimeout",
-                       "ShmTooSmall", "IllegalTransition"]
+                       "ShmTooSmall", "IllegalTransition", "MirrorTimeout"]
 CHECKPOINTER_FACE = {"close": "function", "close_locally": "function", "cut": "function", "mark_final": "function",
                      "maybe_cut": "function", "skipped": "property", "waited": "property", "writer_pid": "property"}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .checkpointer import Checkpointer
 from .handle import CutHandle
+from .mirror import MirrorTimeout
 from .errors import IllegalTransition, ShmTooSmall, WriterDied, WriterError, WriterTimeout
 from .options import WriterOptions
 
@@ -19,4 +20,5 @@ __all__ = [
     "WriterTimeout",
     "ShmTooSmall",
     "IllegalTransition",
+    "MirrorTimeout",
 ]

@@ -12,7 +12,7 @@ import pytest
 import ckptstore
 from ckptstore import KeepLast, Store, StoreOptions, UsageError
 from ckptstore.writer import Checkpointer
-from ckptstore.writer.mirror import MirrorTimeout
+from ckptstore.writer import MirrorTimeout
 from s3proxy import Rule
 from writerkit import EventLog, assert_state_equal, check_store, clone_state, small_state, wait_until
 
