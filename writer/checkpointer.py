@@ -124,12 +124,7 @@ class Checkpointer:
         self.ranked: RankedCuts | None = RankedCuts(self._pipeline, ranks) if ranks is not None else None
         self._closed = False
         #: The mirror tier (``mirror=``; None without one).
-        self.mirror: MirrorTier | None = None
-        if mirror is not None:
-            self.mirror = MirrorTier(self.store, mirror, mirror_options, options.mirror_keep, self.events,
-                                     retry_s=options.mirror_retry_s)
-            self._pipeline.mirror = self.mirror
-            self.mirror.start()
+        self.mirror: MirrorTier | None = self._start_mirror(mirror, mirror_options)
         self._pipeline.start()
         atexit.register(self._at_exit)
         #: True once a preemption cut (``preemption=True``) committed: the loop should end now.
@@ -362,6 +357,15 @@ class Checkpointer:
 
     def _close_block(self) -> None:
         self._pipeline.close_block()
+
+    def _start_mirror(self, url: str | None, options: StoreOptions | None) -> MirrorTier | None:
+        if url is None:
+            return None
+        tier = MirrorTier(self.store, url, options, self.options.mirror_keep, self.events,
+                          retry_s=self.options.mirror_retry_s)
+        self._pipeline.mirror = tier
+        tier.start()
+        return tier
 
     def _drain_mirror(self) -> None:
         if self.mirror is not None:
