@@ -151,13 +151,14 @@ class ObjectStorage(Storage):
         """``fn(*args, **kwargs)`` (a method of ``fs``) under the storage's I/O policy: each try cut off
         after its timeout (fsspec's ``sync(timeout=)`` cancels the request), retried while transient."""
         def attempt(timeout: float) -> T:
-            return fn(*args, timeout=timeout, **kwargs) if self._async else fn(*args, **kwargs)
+            return fn(*args, **self._timeout(timeout), **kwargs)
 
         return run(self.io, action, attempt, stats=self.stats)
 
-    def call_s3(self, action: str, method: str, **kwargs: Any) -> dict[str, Any]:
-        """One S3 API call (``method``, botocore's name) under the I/O policy (the multipart sink)."""
-        return self.call(action, self.fs.call_s3, method, kwargs)
+    def _timeout(self, seconds: float) -> dict[str, float]:
+        """The keyword that cuts one try off after ``seconds``: fsspec's ``sync(timeout=)``, which only
+        async file systems' methods take."""
+        return {"timeout": seconds} if self._async else {}
 
     def bucket_key(self, rel: str) -> tuple[str, str]:
         bucket, key, _ = self.fs.split_path(self._abs(rel))
@@ -191,8 +192,8 @@ class ObjectStorage(Storage):
         md5 = hashlib.md5(data)
 
         def put(timeout: float) -> None:
-            kw = {"timeout": timeout} if self._async else {}
-            self.check_etag(self.fs.pipe_file(self._abs(rel), data, **self.md5_headers(md5), **kw), md5.hexdigest(), rel)
+            answer = self.fs.pipe_file(self._abs(rel), data, **self.md5_headers(md5), **self._timeout(timeout))
+            self.check_etag(answer, md5.hexdigest(), rel)
 
         try:
             run(self.io, "put", put, stats=self.stats)
@@ -305,7 +306,7 @@ class ObjectStorage(Storage):
         """Bytes ``start:end`` of ``rel``, which holds them (its size said so): an answer with fewer was
         cut short in flight and is read again (:class:`ShortBody`), never handed on as the object's."""
         def get(timeout: float) -> bytes:
-            got = self.fs.cat_file(self._abs(rel), start=start, end=end, **({"timeout": timeout} if self._async else {}))
+            got = self.fs.cat_file(self._abs(rel), start=start, end=end, **self._timeout(timeout))
             if len(got) != end - start:
                 raise ShortBody(f"a ranged GET of {end - start} bytes at {start} answered {len(got)}")
             return got
@@ -342,7 +343,7 @@ class ObjectStorage(Storage):
 
         def listing(timeout: float) -> Any:
             self.fs.invalidate_cache(base)
-            return self.fs.ls(base, detail=True, **({"timeout": timeout} if self._async else {}))
+            return self.fs.ls(base, detail=True, **self._timeout(timeout))
 
         try:
             items = run(self.io, "listing", listing, stats=self.stats)

@@ -70,7 +70,6 @@ class IoPolicy:
     backoff_max_s: float = 5.0
     deadline_s: float | None = None
     check_etag: bool = True
-    seed: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -98,7 +97,7 @@ class IoPolicy:
         return replace(self, deadline_s=min(self.deadline(), seconds))
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "seed"}
+        return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> "IoPolicy":
