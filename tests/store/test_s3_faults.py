@@ -4,6 +4,7 @@ plain PUTs are retried, and every test ends by checking the store through a dire
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -116,15 +117,26 @@ def test_lost_response_on_a_lease_renewal_keeps_the_lease(s3_url, s3_proxy, retr
     # Exhausted: the five tries (io_attempts) take about 1.5 s of backoff, and the renewal clock stays at
     # the create until the next renewal finds the lease still ours, so the ttl must outlast a renewal
     # period plus those.
-    ttl = 2.0 if retries == "retried" else 10.0
+    # The backoff is short so that the tries of one renewal take a small part of the ttl even on a
+    # loaded machine (in CI they once took 6 s of the 10).
+    ttl = 3.0 if retries == "retried" else 10.0
     s3_proxy.add(Rule("lost", method="PUT", key="*/.writer.lease", attempts={2}))  # the first renewal
     proxied = s3_proxy.options(opts)
     if retries == "exhausted":
         # every try of that renewal (aiohttp sends each twice on a kept-alive connection that died)
         s3_proxy.add(Rule("reset_request", method="PUT", key="*/.writer.lease", attempts=set(range(3, 13))))
-    with ckptstore.Store.open(url, create=True, options=_options(proxied, lease_ttl_s=ttl)) as store:
+    options = _options(proxied, lease_ttl_s=ttl, io_backoff_s=0.05, io_backoff_max_s=0.2)
+    with ckptstore.Store.open(url, create=True, options=options) as store:
+        lease = store._core.lock._lease
+        # The writer must have recorded the renewal that followed the refusal, not only the proxy have
+        # forwarded its answer: between the two, the renewal clock still stands at the create (the
+        # window a CI run once fell into, with StoreLocked from the save).
         assert s3_proxy.wait_for(lambda: _renewed_after_refusal(s3_proxy), timeout=4 * ttl), \
             f"no renewal after the refused one: {_statuses(s3_proxy, '*/.writer.lease')}"
+        deadline = time.monotonic() + ttl
+        while time.monotonic() - lease._renewed_at >= ttl / 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not lease.lost
         store.save(_state(1), step=1)
     _check(url, opts, [1])
 
