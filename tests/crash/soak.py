@@ -57,8 +57,9 @@ def run_once(root: str, rng: random.Random, report: SoakReport, *, max_run: floa
     """One trainer run killed at a random moment; returns the step it resumed from."""
     proc = subprocess.Popen([sys.executable, TRAINER, root], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    # The random kill moment counts from the trainer's "resumed" line, so a slow start (a loaded
-    # machine) never turns into a kill before the run began.
+    # The random kill moment counts from the trainer's first "writer" line (its Checkpointer is up and
+    # its loop began), so a slow start (a loaded machine: the writer process's start took over 2 s in a
+    # CI run, and six runs committed nothing) never turns into a kill before the run began.
     run_for = rng.uniform(0.3, max_run)
     writer_after = rng.uniform(0.1, max_run) if rng.random() < 0.4 else None
     kill_at = time.monotonic() + 120.0
@@ -79,10 +80,11 @@ def run_once(root: str, rng: random.Random, report: SoakReport, *, max_run: floa
                 ev = json.loads(line)
                 if ev["event"] == "resumed":
                     resumed = ev["step"]
-                    kill_at = time.monotonic() + run_for
-                    if writer_after is not None:
-                        writer_kill_at = time.monotonic() + writer_after
                 elif ev["event"] == "writer":
+                    if writer_pid is None:
+                        kill_at = time.monotonic() + run_for
+                        if writer_after is not None:
+                            writer_kill_at = time.monotonic() + writer_after
                     writer_pid = ev["pid"]
                 elif ev["event"] == "committed":
                     committed_max = ev["step"]
