@@ -10,6 +10,9 @@ booleans, ``readonly`` and ``participant``, set after construction).
 
 from __future__ import annotations
 
+import threading
+from typing import Callable
+
 from . import layout
 from .errors import StepConflict, UsageError
 from .events import Emitter
@@ -62,6 +65,11 @@ class StoreCore:
         self.recovery_pending = False
         #: Cuts this handle committed: hashed as they were written, so ``prune`` takes them as verified.
         self.written: set[str] = set()
+        #: Background work on this handle that ``close`` finishes (bounded) or abandons before the lock
+        #: goes (a restore's write-back, issue 21): each entry does that when called.
+        self.background: list[Callable[[], None]] = []
+        #: Held by a cut of this handle over its manifest and LATEST (``PendingCut``): one at a time.
+        self.publishing = threading.Lock()
 
     def with_ranks(self, ranks: RankGroup) -> "StoreCore":
         """This core joined to ``ranks`` (a collective open sets them once, before the facade exists)."""
@@ -123,8 +131,11 @@ class StoreCore:
             self.written.add(pending.id)
 
     def close(self) -> None:
-        """Releases the writer lock (a writer's) and the ranks. Idempotent."""
+        """Finishes the handle's background work (bounded), then releases the writer lock (a writer's)
+        and the ranks. Idempotent."""
         if not self.closed:
+            for finish in list(self.background):
+                finish()  # while the lock is held: what it leaves is a marked cut, never another's
             self.closed = True
             if self.ranks is not None:
                 self.ranks.close()

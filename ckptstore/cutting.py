@@ -31,7 +31,7 @@ def begin_cut(core: StoreCore, step: int, *, writer: str, cut: str | None, world
     elif layout.check_cut_id(cut, store=core.url) and layout.step_of_cut_id(cut) != step:
         raise UsageError(f"cut id {cut} does not match step {step}", store=core.url, cut=cut)
     pending = PendingCut(core.protocol, core.storage, cut, step, writer, on_end=core.ended, world_size=world_size,
-                         shards=ShardSpec.of(core.options))
+                         shards=ShardSpec.of(core.options), publishing=core.publishing)
     core.in_flight[cut] = pending
     try:
         core.own_dirs(layout.MARKS_DIR)

@@ -7,6 +7,7 @@ paired with a different manifest. It is only ever replaced atomically and durabl
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import Field
@@ -25,10 +26,22 @@ class Pointer(StrictModel):
 
 
 class StoreIdentity(StrictModel):
-    """STORE.json: marks a directory as a ckptstore store, so ``gc`` never works on a foreign tree."""
+    """STORE.json: marks a directory as a ckptstore store, so ``gc`` never works on a foreign tree.
+    ``mirror``: the URL of the store's mirror tier, recorded by a writer opened with one (issue 21),
+    without credentials; absent (not null) without one, so a store without a mirror keeps its bytes."""
 
     KIND = "ckptstore.store"
 
     kind: Literal["ckptstore.store"] = "ckptstore.store"
     format_version: Literal[1] = 1
     created_at: str
+    mirror: str | None = Field(default=None, min_length=1)
+
+    def to_bytes(self) -> bytes:
+        # No "mirror": null in a store without a mirror: its STORE.json stays byte for byte what every
+        # version wrote (tests/store/test_golden.py), and older versions, which forbid unknown fields,
+        # still open it (issue 21).
+        doc = self.model_dump(mode="json")
+        if doc["mirror"] is None:
+            del doc["mirror"]
+        return (json.dumps(doc, indent=1, sort_keys=False) + "\n").encode()

@@ -9,7 +9,7 @@ the cut holds: user classes come back as themselves only when named in ``allowed
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from .arrays import empty_for, finish_tensor
 from .attached import AttachedFile, Restorer
@@ -19,6 +19,16 @@ from .manifest import FileRecord, Manifest, TensorRecord
 from .shards import check_header_matches, read_header, read_shard_into, read_tensor_range
 from .tree import leaf_names, unflatten
 from .values import allowed_map
+
+
+class FileTaps(Protocol):
+    """Where a whole load hands the stored bytes of each file it reads (issue 21: a restore from the
+    mirror writes them back into the local tier as they pass, each byte downloaded once). ``begin``
+    returns the file's tap (None: not this one) and ``end`` says whether the read verified; a file's
+    bytes are checked only once ``end`` is called with ``ok``."""
+
+    def begin(self, rec: FileRecord) -> Callable[[memoryview | bytes], None] | None: ...
+    def end(self, rec: FileRecord, ok: bool) -> None: ...
 
 
 def _select_tree(m: Manifest, keys: Sequence[str] | None, where: dict[str, Any]) -> dict[str, Any]:
@@ -44,17 +54,22 @@ def load_manifest(
     keys: Sequence[str] | None = None,
     allow_pickle: bool = False,
     allowed_types: Sequence[type] | None = None,
+    taps: FileTaps | None = None,
 ) -> Any:
     """Reads the arrays of a committed cut's manifest and rebuilds its state; enum, dataclass,
     namedtuple, class and OmegaConf values come back as the classes of ``allowed_types`` that they
-    name, the others in their plain shapes (docs/format.md, "The tree")."""
+    name, the others in their plain shapes (docs/format.md, "The tree"). With ``taps`` (a whole load)
+    every file of ``m`` is read once, those holding no array of the state through a bounded buffer,
+    and its stored bytes handed to the taps as they pass."""
     where = {"store": storage.url, "cut": m.cut}
     allowed = list(allowed_map(allowed_types, where).values())  # a UsageError before any byte is read
     tree = _select_tree(m, keys, where)
     index = m.tensor_index()
     needed = _needed_arrays(m, tree, index, keys, where)
+    if taps is not None and keys is not None:
+        raise UsageError("a tapped load reads whole files: keys= goes without taps", **where)
     objs = _read_arrays(storage, m, needed, partial=keys is not None, map_location=map_location, verify=verify,
-                        where=where)
+                        where=where, taps=taps)
     leaf = _leaf_maker(objs, map_location, where)
     return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where, records=index, allowed_types=allowed)
 
@@ -75,7 +90,7 @@ def _needed_arrays(m: Manifest, tree: dict[str, Any], index: dict[str, TensorRec
 
 
 def _read_arrays(storage: Storage, m: Manifest, needed: set[str], *, partial: bool, map_location: Any, verify: bool,
-                 where: dict[str, Any]) -> dict[str, Any]:
+                 where: dict[str, Any], taps: FileTaps | None = None) -> dict[str, Any]:
     """Array name -> the array read (and checked) for every name in ``needed``, shard by shard; a partial
     load (``partial``) reads only the byte ranges it needs of an uncompressed shard."""
     objs: dict[str, Any] = {}
@@ -83,11 +98,14 @@ def _read_arrays(storage: Storage, m: Manifest, needed: set[str], *, partial: bo
         in_file = [t for t in m.tensors if t.file == rec.name]
         wanted = [t for t in in_file if t.name in needed]
         if not wanted:
+            if taps is not None:  # read and checked for the taps all the same (attached files' shards)
+                _read_shard(storage, m, rec, in_file, needed, objs, verify=verify, reuses_buffers=True, taps=taps)
             continue
         if partial and rec.codec == "none" and len(wanted) < len(in_file):
             _read_ranges(storage, m, rec, in_file, wanted, objs, verify=verify, where=where)
             continue
-        _read_shard(storage, m, rec, in_file, needed, objs, verify=verify, reuses_buffers=len(wanted) < len(in_file))
+        _read_shard(storage, m, rec, in_file, needed, objs, verify=verify, reuses_buffers=len(wanted) < len(in_file),
+                    taps=taps)
         if _on_device(map_location):
             # Move this shard's tensors now, so host memory holds at most one shard (max_shard_bytes)
             # at a time instead of the whole state.
@@ -168,9 +186,9 @@ class _AttachedSink:
 
 
 def _read_shard(storage: Storage, m: Manifest, rec: FileRecord, in_file: list[TensorRecord], wanted: set[str],
-                objs: dict[str, Any], *, verify: bool, reuses_buffers: bool) -> None:
+                objs: dict[str, Any], *, verify: bool, reuses_buffers: bool, taps: FileTaps | None = None) -> None:
     """Streams shard ``rec`` once: each array named in ``wanted`` lands in a new array of ``objs``; the
-    others are read and checked through a bounded buffer, then dropped."""
+    others are read and checked through a bounded buffer, then dropped. ``taps`` see its stored bytes."""
     path = f"cuts/{m.cut}/{rec.name}"
     where = {"store": storage.url, "cut": m.cut, "path": path}
 
@@ -181,8 +199,16 @@ def _read_shard(storage: Storage, m: Manifest, rec: FileRecord, in_file: list[Te
             return view
         return None
 
-    read_shard_into(storage, m.cut, rec, in_file, dest, format_version=m.format_version, verify=verify,
-                    reuses_buffers=reuses_buffers)
+    tap = None if taps is None else taps.begin(rec)
+    try:
+        read_shard_into(storage, m.cut, rec, in_file, dest, format_version=m.format_version, verify=verify,
+                        reuses_buffers=reuses_buffers, tap=tap)
+    except BaseException:
+        if taps is not None:
+            taps.end(rec, False)
+        raise
+    if taps is not None:
+        taps.end(rec, verify)  # an unverified read hands on bytes no one checked: never "ok"
 
 
 def _allocate(t: TensorRecord, where: dict[str, Any]) -> tuple[Any, memoryview]:

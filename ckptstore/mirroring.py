@@ -16,7 +16,9 @@ mirror's cut abandoned (the mirror keeps its older cut), the cut is recorded bad
 older than the mirror's LATEST is committed without moving it (``CommitProtocol.commit_in_order``).
 
 :func:`mirror_cut` copies one cut (what the writer process will call, through :mod:`ckptstore.spi`);
-:func:`missing` and :func:`mirror_missing` catch a mirror up, oldest first (``ckptstore mirror``).
+:func:`missing` and :func:`mirror_missing` catch a mirror up, oldest first (``ckptstore mirror``). A cut
+of several ranks mirrored by its ranks, each its own files, goes through :mod:`ckptstore.mirroring_ranks`,
+which builds on :func:`source_manifest`, :func:`on_mirror`, :func:`copy_file` and :func:`source_damage`.
 """
 
 from __future__ import annotations
@@ -92,8 +94,8 @@ def mirror_cut(src: Store, dst: Store, cut: str, *, progress: Progress | None = 
         raise UsageError("mirroring from a closed store", store=s.url)
     if s.url == d.url:
         raise UsageError(f"a store cannot be its own mirror: {s.url}", store=s.url)
-    data, m, s_cls = _source_manifest(s, cut)
-    present = _on_mirror(s, d, m, data)
+    data, m, s_cls = source_manifest(s, cut)
+    present = on_mirror(s, d, m, data)
     if present is None:
         started = time.monotonic()
         present = _copy_cut(s, d, m, data, progress)
@@ -128,7 +130,7 @@ def mirror_missing(src: Store, dst: Store, *, progress: Progress | None = None,
     return report
 
 
-def _source_manifest(s: StoreCore, cut: str) -> tuple[bytes, Manifest, Classification]:
+def source_manifest(s: StoreCore, cut: str) -> tuple[bytes, Manifest, Classification]:
     """The bytes of committed cut ``cut``'s manifest on the source, what they parse to, and the
     source's classification."""
     layout.check_cut_id(cut, store=s.url)
@@ -140,7 +142,7 @@ def _source_manifest(s: StoreCore, cut: str) -> tuple[bytes, Manifest, Classific
     return data, Manifest.from_bytes(data, store=s.url, cut=cut, path=rel), cls
 
 
-def _on_mirror(s: StoreCore, d: StoreCore, m: Manifest, data: bytes) -> CutInfo | None:
+def on_mirror(s: StoreCore, d: StoreCore, m: Manifest, data: bytes) -> CutInfo | None:
     """The mirror's info of the cut when it holds it already (the same manifest bytes), None when it
     does not; ``MirrorConflict`` when it holds another cut under its id or at its step."""
     cls = d.classify()
@@ -175,7 +177,7 @@ def _copy_cut(s: StoreCore, d: StoreCore, m: Manifest, data: bytes, progress: Pr
         pending.abandon()
         raise
     pending.abandon()
-    raise _source_damage(s, d, m, damage)
+    raise source_damage(s, d, m, damage)
 
 
 def _copy_files(src: Storage, dst: Storage, m: Manifest, pending: PendingCut,
@@ -188,7 +190,7 @@ def _copy_files(src: Storage, dst: Storage, m: Manifest, pending: PendingCut,
     by_rank: dict[int, list[FileRecord]] = {}
     for rec in m.files:
         try:
-            _copy_file(src, dst, m, rec, by_file.get(rec.name, []), progress)
+            copy_file(src, dst, m, rec, by_file.get(rec.name, []), progress)
         except DataError as exc:
             return exc
         by_rank.setdefault(rec.rank, []).append(rec)
@@ -197,7 +199,7 @@ def _copy_files(src: Storage, dst: Storage, m: Manifest, pending: PendingCut,
     return None
 
 
-def _copy_file(src: Storage, dst: Storage, m: Manifest, rec: FileRecord, tensors: list[TensorRecord],
+def copy_file(src: Storage, dst: Storage, m: Manifest, rec: FileRecord, tensors: list[TensorRecord],
                progress: Progress | None) -> None:
     """One file: its stored bytes into a sink of the mirror as they are read and checked. The sink is
     closed (durable) only once every check passed; otherwise it is aborted, so bad bytes never land."""
@@ -219,7 +221,7 @@ def _copy_file(src: Storage, dst: Storage, m: Manifest, rec: FileRecord, tensors
     sink.close()
 
 
-def _source_damage(s: StoreCore, d: StoreCore, m: Manifest, exc: DataError) -> CkptStoreError:
+def source_damage(s: StoreCore, d: StoreCore, m: Manifest, exc: DataError) -> CkptStoreError:
     """What to raise for a source file that did not verify: the error itself, once the cut is recorded
     bad on the source; ``CutNotFound`` when the source pruned the cut meanwhile (prune deletes the
     manifest first, so files going under a manifest that is gone are no damage)."""

@@ -5,6 +5,7 @@ one (moved out of store.py, issue 20). Every open returns a :class:`~ckptstore.c
 from __future__ import annotations
 
 import os
+import urllib.parse
 from dataclasses import replace
 from typing import Any, Union
 
@@ -120,7 +121,7 @@ def open_one(url: str | Storage, *, create: bool, role: Role, options: StoreOpti
             raise UsageError(f"refusing to create a store in a non-empty directory ({foreign[:3]})", store=storage.url)
         _create(storage)
     else:
-        StoreIdentity.from_bytes(storage.read_bytes(layout.STORE_FILE), store=storage.url, path=layout.STORE_FILE)
+        _identity(storage)
     core = StoreCore(storage, options, role)
     if role is Role.WRITER:
         try:
@@ -173,9 +174,17 @@ def open_tiers(url: Url, mirror: Url | None, mirror_options: StoreOptions | None
             raise
         return open_one(mirror if isinstance(mirror, Storage) else store_url(mirror), create=False,
                         role=Role.READER, options=mirror_options), None
+    mirror_core: StoreCore | None = None
     try:
-        return core, None if mirror is None else open_mirror(mirror, core.url, mirror_options)
+        mirror_core = None if mirror is None else open_mirror(mirror, core.url, mirror_options)
+        if mirror is not None and core.role is Role.WRITER:
+            # STORE.json names the mirror for `ckptstore ls` (issue 21): after its open, so a URL that
+            # is refused outright (no backend for it) is never recorded; one that is down still is.
+            record_mirror(core, mirror)
+        return core, mirror_core
     except BaseException:
+        if mirror_core is not None:
+            mirror_core.close()
         core.close()
         raise
 
@@ -198,6 +207,54 @@ def open_mirror(url: Url, local: str, options: StoreOptions | None) -> StoreCore
         return None
 
 
+def recordable_url(url: Url) -> str:
+    """What STORE.json may record of a mirror's URL (issue 21: "never credentials"): a local path made
+    absolute (a relative one would name another place from another directory), an fsspec URL without
+    the ``user:password@`` of its authority and without its query (``?sig=...`` tokens), each part of a
+    ``::`` chain alike. Credentials go in ``mirror_options`` / ``--mirror-storage-options`` instead."""
+    text = url.url if isinstance(url, Storage) else store_url(url)
+    if "://" not in text:
+        return os.path.abspath(text)
+    parts = []
+    for part in text.split("::"):
+        s = urllib.parse.urlsplit(part) if "://" in part else None
+        if s is None or ("@" not in s.netloc and not s.query and not s.fragment):
+            parts.append(part)  # as given: urlunsplit may respell what needs no stripping
+            continue
+        parts.append(urllib.parse.urlunsplit((s.scheme, s.netloc.rpartition("@")[2], s.path, "", "")))
+    return "::".join(parts)
+
+
+def recorded_mirror(storage: Storage) -> str | None:
+    """The mirror URL the store's STORE.json records (issue 21), None when it records none."""
+    return _identity(storage).mirror
+
+
+def record_mirror(core: StoreCore, mirror: Url) -> None:
+    """Records ``mirror`` (:func:`recordable_url`) in the STORE.json of the writer ``core``, with the one
+    durable replace of every small file (temp file, fsync, rename, fsync of the directory; one PUT on an
+    object store), so a crash leaves the old record or the new one. Written once: nothing happens when
+    STORE.json records this URL already; another URL replaces the old (the store moved its mirror)."""
+    core.require_writer("recording the store's mirror")
+    url = recordable_url(mirror)
+    shown = mirror.url if isinstance(mirror, Storage) else store_url(mirror)
+    if url != shown and "://" in shown:
+        log.warning("ckptstore: %s records its mirror as %s: credentials and query strings are never "
+                    "written to %s (pass them in mirror_options)", core.url, url, layout.STORE_FILE)
+    identity = _identity(core.storage)
+    if identity.mirror == url:
+        return
+    if identity.mirror is not None:
+        log.info("ckptstore: %s: the mirror recorded in %s moves from %s to %s", core.url, layout.STORE_FILE,
+                 identity.mirror, url)
+    record = StoreIdentity(created_at=identity.created_at, mirror=url)
+    core.storage.write_durably(layout.STORE_FILE, record.to_bytes())
+
+
+def _identity(storage: Storage) -> StoreIdentity:
+    return StoreIdentity.from_bytes(storage.read_bytes(layout.STORE_FILE), store=storage.url, path=layout.STORE_FILE)
+
+
 def open_for_repair(url: str | Storage, options: StoreOptions | None = None) -> StoreCore:
     """A writer handle without recovery, for ``ckptstore repair`` on a store whose LATEST is broken."""
     return open_one(url, create=False, role=Role.WRITER, options=options)
@@ -210,4 +267,5 @@ def open_participant(url: Url, options: StoreOptions | None = None) -> StoreCore
                     options=options)
 
 
-__all__ = ["make_root", "open_core", "open_for_repair", "open_mirror", "open_tiers", "open_one", "open_participant"]
+__all__ = ["make_root", "open_core", "open_for_repair", "open_mirror", "open_tiers", "open_one", "open_participant",
+           "record_mirror", "recordable_url", "recorded_mirror"]

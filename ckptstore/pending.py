@@ -19,7 +19,8 @@ one manifest.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 from . import hashing, layout
 from .arrays import ArrayItem
@@ -50,7 +51,8 @@ class PendingCut:
     """A marked cut of this writer's. Made by ``Store.begin_cut``; not thread-safe (one driver)."""
 
     def __init__(self, protocol: CommitProtocol, storage: "Storage", cut: str, step: int, writer: str,
-                 on_end: Callable[["PendingCut"], None], world_size: int = 1, shards: ShardSpec | None = None) -> None:
+                 on_end: Callable[["PendingCut"], None], world_size: int = 1, shards: ShardSpec | None = None,
+                 publishing: ContextManager[Any] | None = None) -> None:
         self._protocol = protocol
         self._storage = storage
         self.id = cut
@@ -64,6 +66,10 @@ class PendingCut:
         self._trees: dict[int, tuple[dict[str, Any], bool]] = {}
         self._attached: dict[int, list[AttachedFile]] = {}
         self._on_end = on_end
+        # Held over steps 4-5: LATEST is read, then replaced, and two cuts of one handle in two threads
+        # (a restore's background write-back and the trainer's next cut, issue 21) must not interleave
+        # there, or LATEST could move back.
+        self._publishing = publishing if publishing is not None else contextlib.nullcontext()
 
     def __repr__(self) -> str:
         return f"PendingCut({self.id!r}, {self.state})"
@@ -198,27 +204,28 @@ class PendingCut:
         """Steps 4-6 of ``commit`` (``copied``: the manifest's bytes as another store holds them)."""
         self._move(COMMITTING)
         moved = True
-        try:
-            if copied is None:
-                digest = self._protocol.write_manifest(manifest)
-                self._protocol.point_latest(self.id, self.step, digest)
-            else:
-                digest = self._protocol.copy_manifest(self.id, copied)
-                moved = self._protocol.commit_in_order(self.id, self.step, digest)
-        except CommitUnknown:
-            self._move(UNKNOWN)
-            raise
-        except StoreLocked:
-            # This handle may no longer change the store; only its own manifest is taken back, so a
-            # cut the new holder already cleaned cannot look committed without its files. The rest
-            # (mark, files) is the holder's gc's.
-            self._protocol.withdraw_manifest(self.id)
-            self._move(UNKNOWN)
-            raise
-        except BaseException:
-            self._protocol.abandon(self.id)
-            self._move(ABANDONED)
-            raise
+        with self._publishing:
+            try:
+                if copied is None:
+                    digest = self._protocol.write_manifest(manifest)
+                    self._protocol.point_latest(self.id, self.step, digest)
+                else:
+                    digest = self._protocol.copy_manifest(self.id, copied)
+                    moved = self._protocol.commit_in_order(self.id, self.step, digest)
+            except CommitUnknown:
+                self._move(UNKNOWN)
+                raise
+            except StoreLocked:
+                # This handle may no longer change the store; only its own manifest is taken back, so a
+                # cut the new holder already cleaned cannot look committed without its files. The rest
+                # (mark, files) is the holder's gc's.
+                self._protocol.withdraw_manifest(self.id)
+                self._move(UNKNOWN)
+                raise
+            except BaseException:
+                self._protocol.abandon(self.id)
+                self._move(ABANDONED)
+                raise
         self._move(COMMITTED)
         try:
             if moved:  # else the unmark was the commit point

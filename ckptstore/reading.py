@@ -23,10 +23,10 @@ from .errors import CutNotFound, HostileInput, UsageError
 from .events import log
 from .gcpause import pausing
 from .info import CutInfo
-from .loader import load_manifest, restore_attached
+from .loader import FileTaps, load_manifest, restore_attached
 from .manifest import Manifest
 from .repairing import record_bad_quietly
-from .selection import CutSelector, Tier, choose_across, latest_manifest, select_manifest
+from .selection import Check, CutSelector, Tier, choose_across, latest_manifest, select_manifest
 from .verify import Progress, VerifyReport, verify_store
 
 
@@ -69,14 +69,15 @@ def load(core: StoreCore, cut: CutSelector, *, map_location: Any, verify: bool, 
 
 @pausing
 def load_part(core: StoreCore, m: Manifest, *, map_location: Any, verify: bool, keys: Sequence[str] | None,
-              allow_pickle: bool, allowed_types: Sequence[type] | None) -> Any:
-    """The state of one rank's part ``m`` of a committed cut (:func:`rank_manifest`), read as it is."""
+              allow_pickle: bool, allowed_types: Sequence[type] | None, taps: FileTaps | None = None) -> Any:
+    """The state of one rank's part ``m`` of a committed cut (:func:`rank_manifest`), read as it is;
+    ``taps`` see every stored byte of it as it passes (``loader.load_manifest``)."""
     if m.pickled and not allow_pickle:
         raise HostileInput("cut holds pickled values; pass allow_pickle=True only if you trust it",
                            store=core.url, cut=m.cut)
     map_location = resolve_map_location(map_location, {"store": core.url, "cut": m.cut})
     return load_manifest(core.storage, m, map_location=map_location, verify=verify, keys=keys,
-                         allow_pickle=allow_pickle, allowed_types=allowed_types)
+                         allow_pickle=allow_pickle, allowed_types=allowed_types, taps=taps)
 
 
 def restore_files(core: StoreCore, cut: CutSelector, to: str | os.PathLike[str], *, rank: int | None,
@@ -141,14 +142,17 @@ def choose(core: StoreCore, *, fallback: bool,
     return chosen.info, chosen.skipped
 
 
-def choose_tiers(core: StoreCore, mirror: StoreCore | None, *, fallback: bool) -> Chosen:
+def choose_tiers(core: StoreCore, mirror: StoreCore | None, *, fallback: bool,
+                 mirror_check: Check | None = None) -> Chosen:
     """The cut to resume from in the local tier ``core`` and its ``mirror`` (None: the local tier alone,
     as ever), by :func:`ckptstore.selection.choose_across`. A copy proven damaged is recorded bad in its
     own tier; each skip is logged and emitted on the local handle's events (naming the tier's copy when
-    there is a mirror). The mirror is only read: nothing here waits for, or locks, the local tier."""
+    there is a mirror). The mirror is only read: nothing here waits for, or locks, the local tier.
+    ``mirror_check`` checks a mirror copy instead of verify (a restore loads it: one download)."""
     cores = [core] if mirror is None else [core, mirror]
-    tiers = [Tier(name, c.storage, c.classify(), on_bad=functools.partial(record_bad_quietly, c))
-             for name, c in zip(("local", "mirror"), cores)]
+    checks = [None, mirror_check]
+    tiers = [Tier(name, c.storage, c.classify(), on_bad=functools.partial(record_bad_quietly, c), check=check)
+             for name, c, check in zip(("local", "mirror"), cores, checks)]
     choice = choose_across(tiers, fallback=fallback)
     urls = {t.name: t.storage.url for t in tiers}
     for name, bad_cut, why in choice.skips:

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from .core import Role, StoreCore
-from .errors import CutNotFound, StepConflict, StorageError, UsageError
+from .errors import CkptStoreError, CutNotFound, UsageError
 from .events import log
 from .info import CutInfo
 from .collective import Collective
-from . import reading, spi
+from . import reading, spi, tierparts, writeback
 from .manifest import Manifest
 from .options import StoreOptions
 from .store import Store, core_of
@@ -72,7 +72,9 @@ def training_state(
 @dataclass(frozen=True)
 class Resumed:
     """Where a run resumed: the cut, its step, the user's ``extra``, the cuts skipped (id -> why) and the
-    ``tier`` whose verified copy it resumed from ("local", or "mirror": issue 21)."""
+    ``tier`` whose verified copy it resumed from ("local", or "mirror": issue 21). ``write_back``: a cut
+    restored from the mirror that the local tier lacked, being written back there behind the restore
+    (``wait(timeout)`` returns the local ``CutInfo`` or raises what stopped it); None when nothing is."""
 
     cut: CutInfo
     step: int
@@ -80,6 +82,7 @@ class Resumed:
     state: dict[str, Any]
     skipped: dict[str, str] = field(default_factory=dict)
     tier: str = "local"
+    write_back: writeback.WriteBack | None = field(default=None, compare=False)
 
 
 def restore(
@@ -108,7 +111,9 @@ def restore(
 
     With ``group`` (or a store opened with ``group=``) it is collective: rank 0 chooses the cut
     (fallback decisions included), every rank restores its own part of it, and every rank raises if
-    any rank failed. The cut's world size must be the group's.
+    any rank failed. The cut's world size must be the group's. With a mirror too, the ranks agree on
+    the newest cut whose every part verifies in some tier, and each rank reads its part from the tier
+    that holds a verified copy of it (:mod:`ckptstore.tierparts`).
 
     ``allowed_types`` names the user classes (enums, dataclasses, namedtuples) the state's values may
     come back as (see :func:`ckptstore.load`).
@@ -117,9 +122,9 @@ def restore(
     (``Store.restore_files``: this rank's, replacing what is there), after the state was restored.
 
     ``mirror`` (with a URL; a ``Store`` brings its own, ``Store.open(mirror=)``): the store's mirror tier
-    (issue 21). The cut is the newest that verifies in either tier (docs/resume.md, "Two tiers"); one
-    taken from the mirror is first copied into the local tier, verified as it streams, and read there.
-    """
+    (issue 21): the newest cut that verifies in either tier (docs/resume.md, "Two tiers"), a mirror's read
+    once, verified as it loads, and written back into a local tier that lacks it in the background
+    (``Resumed.write_back``; the store's close waits for it, bounded, so a URL's waits here)."""
     own = not isinstance(url_or_store, Store)  # a str, a pathlib.Path (issue 19 item 11); Store.open checks the rest
     if not own and mirror is not None:
         raise UsageError("mirror= goes with a URL; open the store with Store.open(url, mirror=...) instead",
@@ -132,10 +137,9 @@ def restore(
         objs = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         if store.ranks is None:
             return _restore_one(store, fallback, objs, map_location, rng, allowed_types, files_to)
-        if store.mirror is not None:
-            raise UsageError("restore(group=) across a mirror tier is not built yet (issue 21: one process first)",
-                             store=store.url, hint="restore each rank from the local tier, or from the mirror's URL")
         with store.ranks.busy():  # beating while rank 0 chooses (fallback verifies) and each rank loads
+            if store.mirror is not None:
+                return _restore_ranks_tiers(store, fallback, objs, map_location, rng, allowed_types, files_to)
             return _restore_ranks(store, fallback, objs, map_location, rng, allowed_types, files_to)
     finally:
         if own:
@@ -150,49 +154,54 @@ def _group_size(group: Any) -> int:
 
 def _restore_one(store: Store, fallback: bool, objs: dict[str, Any], map_location: Any, rng: bool,
                  allowed_types: Sequence[type] | None, files_to: str | os.PathLike[str] | None) -> Resumed | None:
-    """One process's restore: the cut chosen in either tier, read from the tier that holds it."""
-    chosen = _choose(store, fallback)
+    """One process's restore: the cut chosen in either tier, read from the tier that holds it. A mirror
+    copy is loaded as its check (one download, tapped into the write-back: ``writeback.MirrorLoad``)."""
+    mirror = None if store.mirror is None else writeback.MirrorLoad(
+        core_of(store), core_of(store.mirror), map_location=map_location, allowed_types=allowed_types)
+    chosen = _choose(store, fallback, mirror)
     if chosen.info is None:
         return None
+    loaded = mirror.take(chosen.info.id) if mirror is not None and chosen.tier == "mirror" else None
     m = reading.named_manifest(chosen.core, chosen.info.id)
-    return _restore_part(chosen.core, m, chosen.info, chosen.skipped, None, objs, map_location, rng, allowed_types,
-                         files_to, tier=chosen.tier)
+    resumed = _restore_part(chosen.core, m, chosen.info, chosen.skipped, None, objs, map_location, rng, allowed_types,
+                            files_to, tier=chosen.tier, state=None if loaded is None else loaded.state)
+    return resumed if loaded is None else replace(resumed, write_back=loaded.write_back)
 
 
-def _choose(store: Store, fallback: bool) -> reading.Chosen:
-    """The cut to resume from, in either tier (issue 21). On a writable store a cut taken from the mirror
-    that the local tier lacks is written back first; with ``fallback`` LATEST is pointed at the cut
-    resumed from, so the next cuts continue from its step (a local LATEST on a newer, damaged cut would
-    refuse them with ``StepConflict``)."""
+def _choose(store: Store, fallback: bool, mirror: writeback.MirrorLoad | None = None) -> reading.Chosen:
+    """The cut to resume from, in either tier (issue 21; ``mirror`` checks the mirror's copies by loading
+    them). With ``fallback`` LATEST is pointed at the cut resumed from, so the next cuts continue from
+    its step (a local LATEST on a newer, damaged cut would refuse them with ``StepConflict``)."""
     core = core_of(store)
     latest = core.classify().latest
-    chosen = reading.choose_tiers(core, None if store.mirror is None else core_of(store.mirror), fallback=fallback)
-    if chosen.info is None or store.readonly:
+    chosen = reading.choose_tiers(core, None if store.mirror is None else core_of(store.mirror), fallback=fallback,
+                                  mirror_check=None if mirror is None else mirror.check)
+    if chosen.info is None or store.readonly or not fallback or (latest is not None and latest.cut == chosen.info.id):
         return chosen
     held = chosen.tier == "local"  # the local tier holds the cut (a copy recorded bad there counts)
     if not held and store.role is Role.WRITER:
         held = core.classify().find(chosen.info.id) is not None
-        if not held:
-            chosen = _write_back(store, chosen)
-            held = chosen.core is core
-    if fallback and held and (latest is None or latest.cut != chosen.info.id):
+    if held:
         spi.point_latest(store, chosen.info.id)
+    elif latest is not None and latest.step > chosen.info.step and mirror is not None:
+        _point_after_write_back(store, mirror, chosen.info.id)
     return chosen
 
 
-def _write_back(store: Store, chosen: reading.Chosen) -> reading.Chosen:
-    """Copies the mirror's cut into the local tier (verified as it streams: ``spi.mirror_cut`` with the
-    roles swapped) and reads it there, so the next restart is local. Synchronous for now (issue 21: in
-    the background is a later part). A local tier that refuses it (a full disk, another cut at its
-    step) leaves the restore reading the mirror's copy."""
-    assert store.mirror is not None and chosen.info is not None
+def _point_after_write_back(store: Store, mirror: writeback.MirrorLoad, cut: str) -> None:
+    """LATEST names a newer cut than the one resumed from (its copies proven damaged): the next cut's
+    step check would refuse the run's next steps. So here the restore waits for the write-back (the
+    one case it does, bounded) and points LATEST back at the cut; a write-back that failed leaves
+    LATEST where it was, with a warning."""
+    loaded = mirror.peek(cut)
+    if loaded is None or loaded.write_back is None:
+        return
     try:
-        spi.mirror_cut(store.mirror, store, chosen.info.id)
-    except (StorageError, StepConflict) as exc:
-        log.warning("ckptstore: could not write cut %s back into %s: %s; reading the mirror's copy",
-                    chosen.info.id, store.url, exc)
-        return chosen
-    return replace(chosen, core=core_of(store))
+        loaded.write_back.wait(writeback.CLOSE_WAIT_S)
+    except (CkptStoreError, OSError) as exc:
+        log.warning("ckptstore: LATEST of %s stays on a newer cut than %s (not written back: %s)", store.url, cut, exc)
+        return
+    spi.point_latest(store, cut)
 
 
 def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_location: Any, rng: bool,
@@ -224,17 +233,51 @@ def _restore_ranks(store: Store, fallback: bool, objs: dict[str, Any], map_locat
     return c.all("restore-done", restore_part, doing=f"restoring cut {chosen['cut']}")
 
 
+def _restore_ranks_tiers(store: Store, fallback: bool, objs: dict[str, Any], map_location: Any, rng: bool,
+                         allowed_types: Sequence[type] | None,
+                         files_to: str | os.PathLike[str] | None) -> Resumed | None:
+    """A restore of several ranks across a mirror tier (issue 21, "Several ranks"): the group agrees on
+    the newest cut whose every part verifies in some tier, and each rank reads its part from the tier
+    whose copy of it verified (:mod:`ckptstore.tierparts`): rank 1's local copy may be gone while rank
+    0's is fine. With ``fallback`` rank 0 then points the local LATEST at the cut when the local tier
+    holds it, as a restore of one process does."""
+    ranks = store.ranks
+    assert ranks is not None and store.mirror is not None
+    cores = {"local": core_of(store), "mirror": core_of(store.mirror)}
+    c = Collective(ranks, store=store.url)
+    plan = c.coordinate("restore-choose", lambda: tierparts.candidates(cores, fallback=fallback),
+                        doing="to list the cuts to resume from in either tier")
+    chosen = tierparts.agree(ranks, cores, plan, fallback=fallback, store=store.url)
+    if chosen is None:
+        return None
+    c.at(cut=chosen.cut)
+    tier = chosen.tiers[ranks.rank]
+
+    def restore_part() -> Resumed:
+        if fallback and ranks.rank == 0 and store.role is Role.WRITER:
+            cls = cores["local"].classify()
+            if cls.find(chosen.cut) is not None and (cls.latest is None or cls.latest.cut != chosen.cut):
+                spi.point_latest(store, chosen.cut)
+        m = reading.named_manifest(cores[tier], chosen.cut)
+        return _restore_part(cores[tier], m, CutInfo.from_manifest(m), dict(chosen.skipped), ranks.rank, objs,
+                             map_location, rng, allowed_types, files_to, tier=tier)
+
+    return c.all("restore-done", restore_part, doing=f"restoring cut {chosen.cut}")
+
+
 def _restore_part(core: StoreCore, m: Manifest, info: CutInfo, skipped: dict[str, str], rank: int | None,
                   objs: dict[str, Any], map_location: Any, rng: bool, allowed_types: Sequence[type] | None,
-                  files_to: str | os.PathLike[str] | None = None, tier: str = "local") -> Resumed:
+                  files_to: str | os.PathLike[str] | None = None, tier: str = "local", state: Any = None) -> Resumed:
     """Restores this rank's part of the chosen cut ``m`` (its manifest, read once: no rank classifies
-    the store again to find it) from ``core``, the handle of the tier that holds it."""
+    the store again to find it) from ``core``, the handle of the tier that holds it; ``state``: that
+    part already loaded (and verified) by the choice, not read again."""
     from .dtensors import node_at, restore_into
 
     mine = reading.rank_manifest(m, rank, core.url)  # what load(rank=rank) reads
     part = m.for_rank(rank or 0)
-    state = reading.load_part(core, mine, map_location=map_location, verify=True, keys=None, allow_pickle=False,
-                              allowed_types=allowed_types)
+    if state is None:
+        state = reading.load_part(core, mine, map_location=map_location, verify=True, keys=None, allow_pickle=False,
+                                  allowed_types=allowed_types)
     where = {"store": core.url, "cut": info.id}
     for key, obj in objs.items():
         if obj is not None:

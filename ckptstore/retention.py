@@ -9,7 +9,7 @@ step, never by name or time (failure-modes row 19).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from .kinds import StrKind
 
@@ -118,3 +118,39 @@ def hard_keeps(cuts: Sequence[CutLike], policy_keeps: set[str], latest: str | No
         if newest_kept is not None and c.step > newest_kept:
             out.setdefault(c.id, HardKeep.NEWER)
     return out
+
+
+def policy_to_json(policy: Policy) -> dict[str, Any]:
+    """The JSON form of a policy built from this module's policies (and ``|`` of them), so a policy
+    can travel to another process without pickle (issue 21: the writer process applies ``mirror_keep``).
+    A policy of another class raises ``TypeError`` naming it."""
+    if isinstance(policy, AnyOf):
+        return {"any_of": [policy_to_json(p) for p in policy.policies]}
+    if isinstance(policy, KeepLast):
+        return {"keep_last": policy.n}
+    if isinstance(policy, KeepEvery):
+        return {"keep_every": policy.k}
+    if isinstance(policy, KeepTagged):
+        return {"keep_tagged": list(policy.tags)}
+    if isinstance(policy, KeepFinal):
+        return {"keep_final": True}
+    raise TypeError(f"{type(policy).__name__} is not one of ckptstore's policies (KeepLast, KeepEvery, "
+                    "KeepTagged, KeepFinal, or | of them) and has no JSON form")
+
+
+def policy_from_json(doc: dict[str, Any]) -> Policy:
+    """The policy :func:`policy_to_json` described (``ValueError`` for anything else)."""
+    if not isinstance(doc, dict) or len(doc) != 1:
+        raise ValueError(f"not a policy's JSON form: {doc!r}")
+    (kind, arg), = doc.items()
+    if kind == "any_of" and isinstance(arg, list) and arg:
+        return AnyOf(tuple(policy_from_json(d) for d in arg))
+    if kind == "keep_last" and type(arg) is int:
+        return KeepLast(arg)
+    if kind == "keep_every" and type(arg) is int:
+        return KeepEvery(arg)
+    if kind == "keep_tagged" and isinstance(arg, list) and all(isinstance(t, str) for t in arg):
+        return KeepTagged(*arg)
+    if kind == "keep_final" and arg is True:
+        return KeepFinal()
+    raise ValueError(f"not a policy's JSON form: {doc!r}")

@@ -24,6 +24,10 @@ from .verify import FindingKind, VerifyReport, verify_store
 CutSelector = str | int
 #: Called with (cut id, reason) for each cut fallback proved damaged.
 OnBad = Callable[[str, str], None]
+#: A tier's own check of a copy in place of verify: the damage it proved (None: it verifies); an I/O
+#: error raises. A restore from the mirror loads the copy as its check, so each byte is downloaded
+#: once (issue 21).
+Check = Callable[[Manifest], DataError | None]
 
 
 def latest_manifest(cls: Classification, url: str) -> Manifest | None:
@@ -81,12 +85,13 @@ def choose_cut(storage: Storage, cls: Classification, *, fallback: bool,
 @dataclass(frozen=True)
 class Tier:
     """One store a cut may be read from (issue 21): the local tier, a mirror. ``on_bad`` records a copy
-    of this tier that fallback proved damaged, in this tier."""
+    of this tier that fallback proved damaged, in this tier; ``check`` (None: verify) checks a copy."""
 
     name: str
     storage: Storage
     cls: Classification
     on_bad: OnBad | None = None
+    check: Check | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,14 @@ def _choose_latest(tiers: Sequence[Tier]) -> Choice:
     for i, m in copies:
         if m is None or m != m0:
             continue
+        if tiers[i].check is not None:
+            exc = tiers[i].check(m)
+            if exc is None:
+                return Choice(tiers[i].cls.info(m), i, skips, len(tiers) > 1)
+            skips.append((tiers[i].name, m.cut, _reason(exc)))
+            failure = failure or DataError(f"LATEST cut fails verification: {exc.message}", store=exc.store,
+                                           cut=m.cut, path=exc.path, hint=_FALLBACK_HINT)
+            continue
         report = verify_store(tiers[i].storage, tiers[i].cls, cut=m.cut)
         raise_io_errors(report)
         if report.ok:
@@ -164,7 +177,7 @@ def _choose_latest(tiers: Sequence[Tier]) -> Choice:
         skips.append((tiers[i].name, m.cut, f"{f.kind}: {f.message}"))
         failure = failure or DataError(f"LATEST cut fails verification: {f.message}", store=tiers[i].storage.url,
                                        cut=m.cut, path=f.path,
-                                       hint="load(..., fallback=True) resumes from the newest cut that verifies")
+                                       hint=_FALLBACK_HINT)
     assert failure is not None
     raise failure
 
@@ -198,7 +211,18 @@ def _recorded_skip(cls: Classification, m: Manifest) -> str | None:
 def _damage(tier: Tier, m: Manifest) -> str | None:
     """The first finding that proves a copy damaged (findings about LATEST alone do not), None when it
     verifies; an I/O error raises (it proves nothing)."""
+    if tier.check is not None:
+        exc = tier.check(m)
+        return None if exc is None else _reason(exc)
     report = verify_store(tier.storage, tier.cls, cut=m.cut)
     raise_io_errors(report)
     errors = [f for f in report.errors if not f.kind.about_latest]
     return f"{errors[0].kind}: {errors[0].message}" if errors else None
+
+
+_FALLBACK_HINT = "load(..., fallback=True) resumes from the newest cut that verifies"
+
+
+def _reason(exc: DataError) -> str:
+    """A check's damage as a skip reason, spelled as verify's findings are (kind: message)."""
+    return f"{type(exc).wire_key or 'data-error'}: {exc.message}"

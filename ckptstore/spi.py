@@ -17,6 +17,9 @@ Each function takes an open :class:`~ckptstore.store.Store`:
 - :func:`mirror_cut`, :func:`missing`, :func:`mirror_missing`: a committed cut copied into another store
   byte for byte, through that store's protocol (:mod:`ckptstore.mirroring`, issue 21), for the writer
   process's uploads; ``MirrorReport`` and ``MirrorConflict`` with them.
+- :func:`mirror_rank`: one rank's share of mirroring a cut of several ranks (its own files, its rank
+  record; rank 0 also marks and commits) through the mirror's storage-side two-phase commit
+  (:mod:`ckptstore.mirroring_ranks`, issue 21).
 
 The old ``Store`` methods of these names (``rank_part_for`` for ``rank_part`` with a rank) still work for
 one minor release, with a ``DeprecationWarning``.
@@ -48,13 +51,14 @@ from .manifest import FileRecord, Manifest, TensorRecord
 from .metachecks import NoticeKind
 from .metachecks import register as register_metadata_check
 from .mirroring import MirrorConflict, MirrorReport, mirror_cut, mirror_missing, missing
+from .mirroring_ranks import mirror_rank
 from .models import StrictModel
 from .options import StoreOptions
 from .pending import PendingCut, RankPart
 from .protocol import CommitProtocol
 from .ranks import RankFailure, RankGroup, check_all_ok, check_same, outcome
 from .rescue import ensure_marked, finish_orphaned_cut
-from .retention import Policy
+from .retention import Policy, policy_from_json, policy_to_json
 from .shards import check_header_matches, read_header, read_shard_into, read_tensor_range, write_shards
 from .storage import Storage, StorageSpec, open_spec
 from .tree import Leaf, flatten, has_pickle, unflatten
@@ -118,7 +122,8 @@ __all__ = [
     "shard_spec",
     # a cut's records
     "CutIntent", "PendingCut", "RankPart", "ShardSpec", "CutInfo", "FileRecord", "Manifest", "TensorRecord",
-    "AttachedFile", "FilesArg", "Source", "open_sources", "close_sources", "Policy",
+    "AttachedFile", "FilesArg", "Source", "open_sources", "close_sources", "Policy", "policy_from_json",
+    "policy_to_json",
     # the state tree and its arrays
     "Leaf", "flatten", "unflatten", "has_pickle", "ArrayItem", "describe", "empty_for", "torch_dtype_name",
     "TORCH_DTYPES",
@@ -130,5 +135,5 @@ __all__ = [
     # the rest
     "Emitter", "pausing", "StrictModel", "StrKind", "NoticeKind", "register_metadata_check", "layout",
     # mirroring (issue 21)
-    "mirror_cut", "missing", "mirror_missing", "MirrorReport", "MirrorConflict",
+    "mirror_cut", "missing", "mirror_missing", "MirrorReport", "MirrorConflict", "mirror_rank",
 ]

@@ -134,6 +134,7 @@ class Seen:
     status: int
     op: str = "other"  # the S3 operation (:func:`s3_op`)
     part: int | None = None  # its partNumber
+    range: str | None = None  # its Range header ("bytes=START-END"), None for a whole object
 
 
 class FaultProxy:
@@ -344,7 +345,7 @@ class _Handler(BaseHTTPRequestHandler):
                 payload = payload[:after]
             self._respond(status, reason, headers, payload)
         finally:
-            proxy._record(Seen(self.command, key, action, status, op, part))
+            proxy._record(Seen(self.command, key, action, status, op, part, self.headers.get("Range")))
 
     def _aws_chunked(self) -> bool:
         """Whether the body is aws-chunked (botocore's trailing checksums: over TLS only, never here)."""

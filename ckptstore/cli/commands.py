@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import nullcontext
 from typing import Any
 
 from .. import layout, spi
 from ..errors import CutNotFound, UsageError
 from ..manifest import Manifest
 from ..retention import KeepEvery, KeepFinal, KeepLast, KeepTagged, Policy
-from ..selection import select_manifest
+from ..selection import Choice, select_manifest
 from ..collect import leftover_json
 from ..reading import rank_manifest
 from ..store import Store, open_for_repair
 from ..verify import VerifyReport
+from . import tiers
 from .exits import EXIT_OK, EXIT_PROBLEM
 from .render import CUT_HEADERS, Progress, cut_rows, dtype_label, emit, file_ranks, human_bytes, rank_counts, table
 
@@ -44,14 +46,19 @@ def _selector(s: str | None) -> str | int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with Store.open(args.url, readonly=True) as store:
+    with Store.open(args.url, readonly=True) as store, tiers.read_mirror(args, store) as view:
         cls = spi.classify(store)
         cuts = [cls.info(m) for m in cls.committed]
         latest = cls.latest.cut if cls.latest else None
         doc = {"store": store.url, "latest": latest, "latest_problem": cls.latest_problem,
                "cuts": [c.to_json() for c in cuts],
                "leftovers": [{"cut": lo.cut, "kind": lo.kind, "paths": lo.paths} for lo in cls.leftovers]}
-        text = table(CUT_HEADERS, cut_rows(cuts, latest))
+        headers, rows = CUT_HEADERS, cut_rows(cuts, latest)
+        if view is not None:  # a mirror (issue 21): a column, a key per cut; none without one
+            headers, rows = tiers.ls_mirrored(view, cls, doc, rows)
+        text = table(headers, rows)
+        if view is not None:
+            text += "\n" + tiers.ls_summary(doc)
         if cls.latest_problem:
             text += f"\n! {cls.latest_problem} (run `ckptstore repair {store.url}`)"
         if cls.leftovers:
@@ -122,19 +129,32 @@ def _show_tensors(m: Manifest, part: Manifest, doc: dict[str, Any], lines: list[
 
 def cmd_verify(args: argparse.Namespace) -> int:
     with Store.open(args.url, readonly=True) as store:
-        cut = None if args.cut is None else _selector(args.cut)
-        manifests = spi.classify(store).committed if cut is None else [store.manifest(cut)]
-        progress = Progress(sum(m.nbytes for m in manifests), "verify")
-        report = store.verify(cut, progress=progress)
-        progress.finish()
-        by_id = {m.cut: m for m in manifests}
-        world_sizes = {c: by_id[c].world_size if c in by_id else None for c in report.cuts_checked}
-        doc = report.to_json()
-        doc["world_sizes"] = world_sizes  # cut -> how many ranks' state it holds (None: manifest unreadable)
-        for f, fd in zip(report.findings, doc["findings"]):
-            fd["rank"] = _finding_rank(by_id, f.cut, f.path)
-        emit(args, doc, _verify_text(report, doc, world_sizes))
-        return EXIT_OK if report.ok else EXIT_PROBLEM
+        url = tiers.mirror_url(args, store, default_recorded=False)
+        # The mirror is opened before anything is hashed: one that cannot be read is exit 2 at once.
+        with Store.open(url, readonly=True, options=tiers.mirror_options(args)) if url else nullcontext() as mirror:
+            ok, doc, text = _verify_one(store, args.cut)
+            if mirror is not None:  # issue 21: each tier's report, labeled; a problem in either is exit 1
+                mirror_ok, doc["mirror"], mirror_text = _verify_one(mirror, args.cut)
+                text = f"local {store.url}:\n{text}\n\nmirror {mirror.url}:\n{mirror_text}"
+                ok = ok and mirror_ok
+            emit(args, doc, text)
+            return EXIT_OK if ok else EXIT_PROBLEM
+
+
+def _verify_one(store: Store, selector: str | None) -> tuple[bool, dict[str, Any], str]:
+    """``verify`` of one store: whether it is ok, its ``--json`` document and its text."""
+    cut = None if selector is None else _selector(selector)
+    manifests = spi.classify(store).committed if cut is None else [store.manifest(cut)]
+    progress = Progress(sum(m.nbytes for m in manifests), "verify")
+    report = store.verify(cut, progress=progress)
+    progress.finish()
+    by_id = {m.cut: m for m in manifests}
+    world_sizes = {c: by_id[c].world_size if c in by_id else None for c in report.cuts_checked}
+    doc = report.to_json()
+    doc["world_sizes"] = world_sizes  # cut -> how many ranks' state it holds (None: manifest unreadable)
+    for f, fd in zip(report.findings, doc["findings"]):
+        fd["rank"] = _finding_rank(by_id, f.cut, f.path)
+    return report.ok, doc, _verify_text(report, doc, world_sizes)
 
 
 def _verify_text(report: VerifyReport, doc: dict[str, Any], world_sizes: dict[str, int | None]) -> str:
@@ -250,29 +270,39 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 
 def cmd_resume_info(args: argparse.Namespace) -> int:
-    from ..selection import choose_cut
-
-    with Store.open(args.url, readonly=True) as store:
+    with Store.open(args.url, readonly=True) as store, tiers.read_mirror(args, store) as view:
         cls = spi.classify(store)
         try:
-            info, skipped = choose_cut(store.storage, cls, fallback=True)
+            # Restore's choice: the newest step that verifies in either tier (issue 21; the local alone
+            # without a mirror, or with one that cannot be read).
+            choice: Choice | None = tiers.choose_tiers(store, cls, view)
+            skipped = choice.skipped
         except CutNotFound as exc:
-            info, skipped = None, {"*": exc.message}
+            choice, skipped = None, {"*": exc.message}
+        info = choice.info if choice is not None else None
         latest = cls.latest.cut if cls.latest is not None else None
-        healthy = cls.latest_problem is None and (info is None and not cls.committed or info is not None and info.id == latest)
+        healthy = tiers.local_healthy(store, cls, choice)
         doc = {"store": store.url, "resume_step": info.step if info else None, "cut": info.id if info else None,
                "finished": bool(info.final) if info else False, "healthy": healthy, "latest": latest,
                "world_size": info.world_size if info else None,
                "latest_problem": cls.latest_problem,
                "skipped": [{"cut": c, "reason": r} for c, r in skipped.items()]}
+        from_mirror = info is not None and choice is not None and choice.tier == 1
+        if view is not None:
+            doc["tier"] = None if info is None else "mirror" if from_mirror else "local"
+            doc["mirror"] = tiers.lag_json(view, cls)
         if info is None:
             text = "empty store: start from scratch" if not cls.committed else "no committed cut verifies"
         else:
             ranks = f"world size {info.world_size}; " if info.world_size > 1 else ""
-            text = (f"resume from step {info.step} ({info.id}); run {'finished' if info.final else 'interrupted'}; "
+            where = f" from the mirror {view.url}" if from_mirror and view is not None else ""
+            text = (f"resume from step {info.step} ({info.id}){where}; run {'finished' if info.final else 'interrupted'}; "
                     f"{ranks}LATEST {'healthy' if healthy else 'NOT healthy'}")
+        if view is not None:
+            text += "\n" + tiers.lag_text(doc["mirror"])
         for c, r in skipped.items():
             text += f"\n  skipped {c}: {r}"
+        # The exit status is the local tier's, mirror or not: a launcher's check means what it meant.
         emit(args, doc, text)
         return EXIT_OK if healthy else EXIT_PROBLEM
 

@@ -12,6 +12,7 @@ from ..errors import CkptStoreError, DataError, StorageError, StoreLocked, Usage
 from ..version import __version__
 from . import commands as c
 from .mirror import cmd_mirror
+from .tiers import add_mirror_flags
 from .exits import EXIT_CANNOT_RUN, EXIT_PROBLEM
 
 #: Exception class -> exit code, most specific first.
@@ -56,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_reading(add: Add) -> None:
     """``ls``, ``show``, ``verify``: the audits and listings."""
-    add("ls", c.cmd_ls, "list committed cuts (and leftovers)")
+    sp = add("ls", c.cmd_ls, "list committed cuts (and leftovers; with a mirror, which cuts it holds)")
+    add_mirror_flags(sp, default_recorded=True)
     sp = add("show", c.cmd_show, "show one cut (default: latest)")
     sp.add_argument("cut", nargs="?", default=None, help="'latest', a cut id or a step")
     sp.add_argument("--tensors", action="store_true", help="list the cut's tensors (with their rank)")
@@ -64,6 +66,7 @@ def _add_reading(add: Add) -> None:
     sp.add_argument("--files", action="store_true", help="list the files attached to the cut (files=)")
     sp = add("verify", c.cmd_verify, "re-hash every committed cut and report findings (exit 1 on problems)")
     sp.add_argument("--cut", default=None, help="verify only this cut ('latest', an id or a step)")
+    add_mirror_flags(sp, default_recorded=False)
 
 
 def _add_maintaining(add: Add) -> None:
@@ -84,7 +87,9 @@ def _add_maintaining(add: Add) -> None:
     sp = add("gc", c.cmd_gc, "remove leftovers of interrupted saves and prunes (never foreign files)")
     sp.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     add("repair", c.cmd_repair, "point LATEST at the newest cut that verifies")
-    add("resume-info", c.cmd_resume_info, "what a launcher needs: resume step, cut, finished, healthy")
+    sp = add("resume-info", c.cmd_resume_info, "what a launcher needs: resume step, cut, finished, healthy "
+             "(with a mirror: the tier, the mirror's lag)")
+    add_mirror_flags(sp, default_recorded=True)
 
 
 def _add_copying(add: Add) -> None:
@@ -112,7 +117,8 @@ def _add_copying(add: Add) -> None:
     sp.add_argument("--no-overwrite", action="store_true", help="refuse if any file to restore exists")
     sp = add("mirror", cmd_mirror, "copy the committed cuts a mirror store is missing into it, oldest first, "
              "every byte checked (exit 1 when a cut's files do not match its manifest)")
-    sp.add_argument("--to", required=True, metavar="MIRROR", help="the mirror's path or fsspec URL (created if missing)")
+    sp.add_argument("--to", default=None, metavar="MIRROR",
+                    help="the mirror's path or fsspec URL (created if missing; default: the one URL's STORE.json records)")
     sp.add_argument("--storage-options", default=None, metavar="JSON|@FILE",
                     help="fsspec options of URL (a JSON object, or @FILE holding one: keeps credentials off ps)")
     sp.add_argument("--to-storage-options", default=None, metavar="JSON|@FILE", help="fsspec options of MIRROR")

@@ -13,6 +13,7 @@ from ..collect import leftover_json
 from ..errors import UsageError
 from ..info import CutInfo
 from ..mirroring import MirrorReport, mirror_missing
+from ..opening import recorded_mirror
 from ..options import StoreOptions
 from ..store import Store
 from .exits import EXIT_OK, EXIT_PROBLEM
@@ -69,7 +70,7 @@ def cmd_mirror(args: argparse.Namespace) -> int:
     # The source is only read (a trainer may hold its writer lock); the mirror is written as its writer,
     # whose open recovers what an interrupted mirror left.
     with Store.open(args.url, readonly=True, options=src_options) as src, \
-            Store.open(args.to, create=True, options=dst_options) as dst:
+            Store.open(_mirror_of(args, src), create=True, options=dst_options) as dst:
         progress = _CutProgress()
         try:
             report = mirror_missing(src, dst, progress=progress, on_cut=progress.start)
@@ -80,6 +81,17 @@ def cmd_mirror(args: argparse.Namespace) -> int:
                "removed_at_open": [leftover_json(lo) for lo in dst.recovered]}
         emit(args, doc, _text(report, src.url, latest.id if latest else None))
         return EXIT_OK if report.ok else EXIT_PROBLEM
+
+
+def _mirror_of(args: argparse.Namespace, src: Store) -> str:
+    """``--to MIRROR``, else the mirror URL's STORE.json records (issue 21); neither is a usage error."""
+    if args.to is not None:
+        return str(args.to)
+    url = recorded_mirror(src.storage)
+    if url is None:
+        raise UsageError(f"ckptstore mirror needs --to MIRROR: {src.url} records no mirror in its STORE.json "
+                         "(a Checkpointer or Store.open with mirror= records one)", store=src.url, path="STORE.json")
+    return url
 
 
 def _text(report: MirrorReport, source: str, latest: str | None) -> str:
