@@ -32,6 +32,7 @@ from ckptstore.spi import Emitter
 from .errors import WriterError
 from .handle import CutHandle, elapsed
 from .mirror import MirrorTier, MirrorTimeout
+from .remote_mirror import RemoteMirror, check_mirror_args, start_tier
 from .options import UNSET, WriterOptions, resolve_options
 from .pipeline import CommitPipeline, writer_spec
 from .preemption import PreemptionWatch
@@ -61,17 +62,6 @@ def _open_store(url_or_store: str | Store, store_options: StoreOptions | None, g
     return store, owns
 
 
-def _check_mirror_args(mirror: str | None, mirror_options: StoreOptions | None, options: WriterOptions,
-                       group: Any) -> None:
-    """The mirror's arguments make sense together (issue 21: world size 1 first)."""
-    if mirror is None and (mirror_options is not None or options.mirror_keep is not None):
-        raise UsageError("mirror_options and mirror_keep go with mirror=URL")
-    if mirror is not None and group is not None:
-        raise UsageError("a Checkpointer with group= cannot mirror yet: the mirror tier runs for one "
-                         "process only (issue 21 adds several ranks later)",
-                         hint="mirror the store after the run with `ckptstore mirror URL --to MIRROR`")
-
-
 class Checkpointer:
     """Takes background cuts of a training state into a store (see docs/writer.md)."""
 
@@ -98,7 +88,7 @@ class Checkpointer:
         committed cut is copied into behind the loop (opened, and created, with ``mirror_options``;
         pruned with ``mirror_keep``; issue 21, docs/writer.md "A mirror tier")."""
         self.options = options = resolve_options(options, every=every, keep=keep, mode=mode, busy=busy, **more)
-        _check_mirror_args(mirror, mirror_options, options, group)
+        check_mirror_args(mirror, mirror_options, options, group)
         self.store, self._owns_store = _open_store(url_or_store, store_options, group, rank_timeout, mirror,
                                                    mirror_options)
         try:
@@ -124,7 +114,7 @@ class Checkpointer:
         self.ranked: RankedCuts | None = RankedCuts(self._pipeline, ranks) if ranks is not None else None
         self._closed = False
         #: The mirror tier (``mirror=``; None without one).
-        self.mirror: MirrorTier | None = self._start_mirror(mirror, mirror_options)
+        self.mirror: MirrorTier | RemoteMirror | None = self._start_mirror(mirror, mirror_options)
         self._pipeline.start()
         atexit.register(self._at_exit)
         #: True once a preemption cut (``preemption=True``) committed: the loop should end now.
@@ -358,14 +348,8 @@ class Checkpointer:
     def _close_block(self) -> None:
         self._pipeline.close_block()
 
-    def _start_mirror(self, url: str | None, options: StoreOptions | None) -> MirrorTier | None:
-        if url is None:
-            return None
-        tier = MirrorTier(self.store, url, options, self.options.mirror_keep, self.events,
-                          retry_s=self.options.mirror_retry_s)
-        self._pipeline.mirror = tier
-        tier.start()
-        return tier
+    def _start_mirror(self, url: str | None, options: StoreOptions | None) -> MirrorTier | RemoteMirror | None:
+        return None if url is None else start_tier(url, options, self.options, self.store, self.events, self._pipeline)
 
     def _drain_mirror(self) -> None:
         if self.mirror is not None:

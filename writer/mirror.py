@@ -30,12 +30,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ckptstore import CutInfo, Store, StoreOptions
 from ckptstore.errors import CutNotFound, DataError
 from ckptstore import spi
-from ckptstore.spi import Emitter, MirrorConflict, Policy
+from ckptstore.spi import Emitter, MirrorConflict, Policy, Storage
 
 from .errors import WriterError
 
@@ -51,23 +51,38 @@ class MirrorTimeout(WriterError, wire="mirror-timeout"):
 
 
 @dataclass(frozen=True)
-class _Hold(Policy):
-    """Keeps the cuts named (``None``: every cut). ORed into the local ``keep`` as a hard keep."""
+class Hold(Policy):
+    """Keeps the cuts named; ``None``: those ``unseen`` (``mirror_keep``) would keep among the local
+    cuts and the newest, every cut without it (before a look at the mirror: what it lacks is unknown,
+    and a policy of ckptstore's keeps no fewer of these among the local cuts alone than among the
+    mirror's and the local ones). ORed into the local ``keep``."""
 
     ids: frozenset[str] | None
+    unseen: Policy | None = None
 
     def keep(self, cuts: Sequence[Any]) -> set[str]:
-        return {c.id for c in cuts if self.ids is None or c.id in self.ids}
+        if self.ids is not None:
+            return {c.id for c in cuts if c.id in self.ids}
+        if self.unseen is None or not cuts:
+            return {c.id for c in cuts}
+        return self.unseen.keep(cuts) | {max(cuts, key=lambda c: c.step).id}
 
 
 class MirrorTier:
     """The backlog of cuts for the mirror and the thread that uploads them (see the module docstring)."""
 
-    def __init__(self, source: Store, url: str, options: StoreOptions | None, keep: Policy | None,
-                 events: Emitter, *, retry_s: float) -> None:
+    def __init__(self, source: Storage, url: str, options: StoreOptions | None, keep: Policy | None,
+                 events: Emitter, *, retry_s: float, source_options: StoreOptions | None = None,
+                 progress: Callable[[int], None] | None = None,
+                 on_state: Callable[[], None] | None = None) -> None:
+        """``source``: the local tier's storage (read through a reader handle of its own); ``progress``:
+        called with each count of bytes uploaded (the writer process's liveness, issue 21); ``on_state``:
+        called when :meth:`state` changed other than by an event (after a look at both stores, a prune)."""
         self.url = url
         self._source, self._options, self._keep, self._events = source, options, keep, events
+        self._source_options, self._progress, self._on_state = source_options, progress, on_state
         self._retry_s = retry_s
+        self._rescan = False
         self._cond = threading.Condition()
         self._backlog: dict[str, CutInfo] = {}  # committed locally, not yet on the mirror
         self._uploading: CutInfo | None = None
@@ -90,13 +105,49 @@ class MirrorTier:
             self._cond.notify_all()
 
     def hold(self) -> Policy:
-        """What the local prune keeps besides ``keep``: every cut not yet on the mirror that is waiting
-        or uploading (issue 21: a cut the mirror still needs is never pruned locally)."""
+        """What the local prune keeps besides ``keep`` (issue 21: a local cut that ``mirror_keep`` would
+        keep and that is not yet on the mirror is never pruned locally; until the first look at both
+        stores, what ``mirror_keep`` keeps of the local cuts, every cut without it)."""
+        held = self.held()
+        return Hold(None if held is None else frozenset(held), self._keep)
+
+    def held(self) -> set[str] | None:
+        """The ids :meth:`hold` keeps (None: every cut). A waiting cut that ``mirror_keep`` would not
+        keep (among the mirror's cuts and the waiting ones) is not held, the newest waiting one always:
+        so a mirror that is down costs the local tier at most what ``mirror_keep`` keeps."""
         with self._cond:
             if not self._scanned:
-                return _Hold(None)
-            ids = set(self._backlog) | ({self._uploading.id} if self._uploading is not None else set())
-            return _Hold(frozenset(ids))
+                return None
+            waiting = self._waiting()
+            if self._keep is None or not waiting:
+                return set(waiting)
+            kept = self._keep.keep([*self._on_mirror.values(), *waiting.values()])
+            newest = max(waiting.values(), key=lambda c: c.step)
+            return {i for i in waiting if i in kept or i == newest.id}
+
+    def _waiting(self) -> dict[str, CutInfo]:
+        out = dict(self._backlog)
+        if self._uploading is not None:
+            out[self._uploading.id] = self._uploading
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """What the Checkpointer's side needs to know of this tier (the writer process sends it with
+        each of its events, issue 21): whether both stores were looked at, the cuts waiting or
+        uploading, those the local prune must keep (None: every cut), the last error."""
+        with self._cond:
+            held = self.held()
+            return {"scanned": self._scanned, "waiting": sorted(self._waiting()),
+                    "held": None if held is None else sorted(held),
+                    "last_error": None if self._last_error is None else
+                    f"{type(self._last_error).__name__}: {self._last_error}"}
+
+    def rescan(self) -> None:
+        """Looks at both stores again before the next upload (a cut committed by the rescue, which never
+        passed through ``submit``)."""
+        with self._cond:
+            self._rescan = True
+            self._cond.notify_all()
 
     def wait(self, cut: str, timeout: float) -> CutInfo:
         """Returns the mirror's info of ``cut`` once it is there; ``MirrorTimeout`` after ``timeout``
@@ -124,14 +175,14 @@ class MirrorTier:
                         left.insert(0, self._uploading)
                     raise self._timeout(timeout, [c.id for c in left])
 
-    def close(self) -> None:
-        """Stops the thread (after the upload under way, bounded by ``JOIN_S``); what is left waiting
+    def close(self, join_s: float = JOIN_S) -> None:
+        """Stops the thread (after the upload under way, bounded by ``join_s``); what is left waiting
         stays committed locally, for the next open's catch-up."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         if self._thread.is_alive():
-            self._thread.join(JOIN_S)
+            self._thread.join(join_s)
 
     def _timeout(self, timeout: float, cuts: list[str]) -> MirrorTimeout:
         last = f"; last error: {type(self._last_error).__name__}: {self._last_error}" if self._last_error else ""
@@ -148,7 +199,15 @@ class MirrorTier:
                     stores = self._connect()
                     if stores is None:
                         return
-                info = self._next()
+                try:
+                    info = self._next(stores)
+                except Exception as exc:  # noqa: BLE001 - the rescan failed: reported, retried
+                    self._failed(None, exc, retry=True)
+                    self.rescan()
+                    _close_both(stores)
+                    stores = None
+                    self._back_off()
+                    continue
                 if info is None:
                     return
                 if not self._upload(*stores, info):
@@ -168,7 +227,7 @@ class MirrorTier:
         while not self._stopping:
             reader: Store | None = None
             try:
-                reader = Store.open(self._source.storage, readonly=True, options=self._source.options)
+                reader = Store.open(self._source, readonly=True, options=self._source_options)
                 mirror = Store.open(self.url, create=True, options=self._options)
             except Exception as exc:  # noqa: BLE001 - reported, retried
                 if reader is not None:
@@ -198,37 +257,52 @@ class MirrorTier:
                     self._backlog.setdefault(m.cut, local.info(m))
             self._scanned = True
             self._cond.notify_all()
+        self._changed()
 
-    def _next(self) -> CutInfo | None:
-        """The oldest cut left to upload once the backlog's unkept cuts are skipped; None once stopping."""
-        with self._cond:
-            while not self._backlog and not self._stopping:
-                self._cond.wait()
-            if self._stopping:
-                return None
-            self._skip_unkept()
-            info = min(self._backlog.values(), key=lambda c: c.step)
-            del self._backlog[info.id]
-            self._uploading = info
-            return info
+    def _next(self, stores: tuple[Store, Store]) -> CutInfo | None:
+        """The oldest cut left to upload once the backlog's unkept cuts are skipped (after a rescan,
+        when one was asked for: outside the lock, so the loop's submit and hold never wait on I/O);
+        None once stopping."""
+        while True:
+            with self._cond:
+                while not self._backlog and not self._stopping and not self._rescan:
+                    self._cond.wait()
+                if self._stopping:
+                    return None
+                rescan, self._rescan = self._rescan, False
+                if not rescan:
+                    skipped = self._skip_unkept()
+                    info = min(self._backlog.values(), key=lambda c: c.step)
+                    del self._backlog[info.id]
+                    self._uploading = info
+            if not rescan:
+                # Emitted outside the lock: the writer process's sink takes a lock of its own and
+                # then this one (for the state it sends), so emitting under it could deadlock.
+                for c in skipped:
+                    self._events.emit("mirror-skipped", step=c.step, cut=c.id, reason=self._gone[c.id])
+                return info
+            self._scan(*stores)  # an error: the caller reports it and asks for the rescan again
 
-    def _skip_unkept(self) -> None:
-        """Behind (more than one cut waiting): drops those ``mirror_keep`` would not keep, never the newest."""
+    def _skip_unkept(self) -> list[CutInfo]:
+        """Behind (more than one cut waiting): drops those ``mirror_keep`` would not keep, never the
+        newest; returns them (under the lock: the caller emits their events after it)."""
         if self._keep is None or len(self._backlog) < 2:
-            return
+            return []
         kept = self._keep.keep([*self._on_mirror.values(), *self._backlog.values()])
         newest = max(self._backlog.values(), key=lambda c: c.step)
+        out = []
         for info in sorted(self._backlog.values(), key=lambda c: c.step):
             if info.id not in kept and info is not newest:
                 del self._backlog[info.id]
                 self._gone[info.id] = f"skipped: the mirror fell behind and mirror_keep keeps step {newest.step}"
-                self._events.emit("mirror-skipped", step=info.step, cut=info.id, reason=self._gone[info.id])
+                out.append(info)
+        return out
 
     def _upload(self, reader: Store, mirror: Store, info: CutInfo) -> bool:
         """One cut onto the mirror, then the mirror's prune; False when it should be tried again."""
         t0 = time.perf_counter()
         try:
-            got = spi.mirror_cut(reader, mirror, info.id)
+            got = spi.mirror_cut(reader, mirror, info.id, progress=self._progress)
         except CutNotFound as exc:  # pruned locally meanwhile: nothing to upload
             self._end(info, exc)
             self._events.emit("mirror-skipped", step=info.step, cut=info.id, reason=str(exc))
@@ -245,12 +319,13 @@ class MirrorTier:
             self._failed(info, exc, retry=True)
             return False
         self._failures, self._last_error = 0, None
-        self._events.emit("mirrored", step=info.step, cut=info.id, bytes=got.nbytes,
-                          seconds=round(time.perf_counter() - t0, 6))
+        seconds = round(time.perf_counter() - t0, 6)
         with self._cond:
             self._on_mirror[info.id] = got
             self._uploading = None
             self._cond.notify_all()
+        # After the state changed: the event carries the state that follows it (the writer process's).
+        self._events.emit("mirrored", step=info.step, cut=info.id, bytes=got.nbytes, seconds=seconds)
         self._prune_mirror(mirror, info)
         return True
 
@@ -265,6 +340,11 @@ class MirrorTier:
         with self._cond:
             for c in removed:
                 self._on_mirror.pop(c.id, None)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_state is not None:
+            self._on_state()
 
     def _end(self, info: CutInfo, why: BaseException) -> None:
         with self._cond:
@@ -299,4 +379,4 @@ def _close_both(stores: tuple[Store, Store]) -> None:
             pass
 
 
-__all__ = ["MirrorTier", "MirrorTimeout"]
+__all__ = ["Hold", "MirrorTier", "MirrorTimeout"]

@@ -44,6 +44,7 @@ from .errors import WriterDied, WriterTimeout
 from .handle import CutHandle, elapsed
 from .ledger import CutLedger
 from .mirror import MirrorTier
+from .remote_mirror import RemoteMirror
 from .options import WriterOptions
 from .plan import grown_size
 from .process import WriterProcess
@@ -98,8 +99,9 @@ class CommitPipeline:
         self._pinning = Pinning()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
-        #: The mirror tier each committed cut is handed to (issue 21; None: no mirror).
-        self.mirror: MirrorTier | None = None
+        #: The mirror tier each committed cut is handed to (issue 21; None: no mirror): in process mode
+        #: the writer process's (each writer started is attached to it), else a thread of this process.
+        self.mirror: MirrorTier | RemoteMirror | None = None
 
     def start(self) -> None:
         """Starts the writer process (process mode) and the commit thread (process and thread mode)."""
@@ -340,7 +342,20 @@ class CommitPipeline:
     # ---------------------------------------------------------------------------------- resources
     def _start_writer(self) -> WriterProcess:
         assert self._spec is not None
-        return WriterProcess(self._spec, self.options, lock=spi.lock_handoff(self.store))
+        writer = WriterProcess(self._spec, self.options, lock=spi.lock_handoff(self.store))
+        if isinstance(self.mirror, RemoteMirror):
+            self.mirror.attach(writer)  # it uploads to the mirror, after looking at both stores
+        return writer
+
+    def ensure_writer(self) -> None:
+        """A writer process for the mirror's uploads when none runs (process mode: the mirror tier's
+        ``wait`` and ``drain`` after a writer died; the next cut would start one too)."""
+        if self.options.mode != "process":
+            return
+        if self.writer is not None and not self.writer.alive:
+            self.close_writer()
+        if self.writer is None:
+            self.writer = self._start_writer()
 
     def close_writer(self) -> None:
         """Stops the writer process, if one runs (the next cut in process mode starts another)."""

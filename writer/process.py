@@ -9,6 +9,7 @@ waits briefly, then kills: no zombie and no orphan survives it.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -16,7 +17,7 @@ import sys
 import threading
 import time
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ckptstore.errors import CkptStoreError, from_wire
 from ckptstore.spi import StorageSpec  # spi loads protocol, which defines CommitUnknown: see rebuild_error
@@ -80,6 +81,45 @@ class WriterProcess:
         except (P.ChannelClosed, OSError):
             raise self.death(None, None) from None
         self.last_phase = "idle"
+        #: Where the worker's ``mirror-update`` frames go (issue 21; None with the channel's end).
+        self.on_mirror: Callable[[P.MirrorUpdate | None], None] | None = None
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name="ckptstore-writer-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        """The only reader of the socket after the handshake (issue 21: the worker's mirror thread
+        speaks at any time): answers to requests go to the inbox ``wait_done`` reads, mirror updates
+        to ``on_mirror``. The end of the channel (or a broken frame) goes to both, and stays in the
+        inbox for every later wait."""
+        while True:
+            try:
+                msg = P.recv(self._rep)
+            except BaseException as exc:  # noqa: BLE001 - ChannelClosed, FrameTimeout, a bad frame
+                self._inbox.put(exc)
+                self._to_mirror(None)
+                return
+            if isinstance(msg, P.MirrorUpdate):
+                self._to_mirror(msg)
+            else:
+                self._inbox.put(msg)
+
+    def _to_mirror(self, msg: P.MirrorUpdate | None) -> None:
+        sink = self.on_mirror
+        if sink is not None:
+            try:
+                sink(msg)
+            except Exception:  # noqa: BLE001 - the tier's bookkeeping must not end the reader
+                pass
+
+    def send(self, msg: P.StrictModel) -> None:
+        """Sends one frame that needs no answer (``mirror-open``, ``mirror-submit``); a dead writer
+        raises ``WriterDied``."""
+        try:
+            with self._send_lock:
+                P.send(self._req, msg)
+        except (P.ChannelClosed, OSError):
+            raise self.death(None, None) from None
 
     @property
     def alive(self) -> bool:
@@ -137,15 +177,21 @@ class WriterProcess:
         """Waits for the answer to a submitted request (bounded; see the module docstring)."""
         while True:
             try:
-                msg = P.recv(self._rep, timeout=self.options.write_timeout)
-            except TimeoutError:
+                msg = self._inbox.get(timeout=self.options.write_timeout)
+            except queue.Empty:
+                msg = TimeoutError()
+            if isinstance(msg, BaseException):
+                if not isinstance(msg, TimeoutError) or isinstance(msg, P.FrameTimeout):
+                    self._inbox.put(msg)  # the channel's end stays for every later wait
+                if isinstance(msg, P.ChannelClosed):
+                    raise self.death(req.step, req.cut) from None
+                if not isinstance(msg, TimeoutError):
+                    raise msg
                 self.kill()
                 raise WriterTimeout(
                     f"writer process {self.pid} made no progress for {self.options.write_timeout:.0f} s while "
                     f"{self.last_phase}; killed it", step=req.step, store=self.store_url, cut=req.cut,
                 ) from None
-            except P.ChannelClosed:
-                raise self.death(req.step, req.cut) from None
             if isinstance(msg, P.Progress):
                 self.last_phase = f"writing {req.cut} ({msg.bytes_done} bytes done)"
                 continue
@@ -180,6 +226,15 @@ class WriterProcess:
     def _close_fds(self) -> None:
         sock = getattr(self, "_sock", None)
         if sock is not None:
+            # The reader thread ends on the shutdown (EOF) before the descriptor is closed, so it never
+            # reads a number the process reuses for another file.
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            reader = getattr(self, "_reader", None)
+            if reader is not None and reader is not threading.current_thread():
+                reader.join(5.0)
             sock.close()
             self._sock = None
             self._req = self._rep = -1

@@ -1,8 +1,10 @@
 """The typed parent/worker protocol: small JSON frames over a Unix socket; tensors never travel here.
 
 Each frame is a u32 little-endian length and a UTF-8 JSON object with a ``kind``, over one Unix
-socket pair. The parent sends ``open`` once after the handshake, then ``write`` and ``shutdown``; the
-worker answers ``hello`` once (the handshake), then ``progress`` while it writes (liveness), ``done`` or ``error`` per request. Every
+socket pair. The parent sends ``open`` once after the handshake (and ``mirror-open`` with a mirror),
+then ``write``, ``marked``, ``ended``, ``mirror-submit`` and ``shutdown``; the worker answers ``hello``
+once (the handshake), then ``progress`` while it writes (liveness), ``done`` or ``error`` per request,
+and, from its mirror thread at any time, ``mirror-update`` (issue 21). Every
 message is a strict pydantic model: unknown kinds or fields are refused. When a ``write`` names a block
 the worker has not seen, the frame is followed by one byte carrying the block's file descriptor
 (SCM_RIGHTS): the block has no name to attach by (see ``shm.py``).
@@ -133,11 +135,44 @@ class WriteFailed(StrictModel):
         return cls(cut=cut, error_type=type(exc).__name__, message=exc.message, key=key, fields=fields)
 
 
+class MirrorOpen(StrictModel):
+    """Sent once after ``open`` with a mirror (issue 21): the worker uploads each committed cut of its
+    store into the store at ``url`` (opened with ``options``, ``StoreOptions``' plain fields: storage
+    options, lease and I/O settings; never a callable), prunes it with ``keep`` (a policy's JSON form,
+    ``spi.policy_to_json``) and first catches it up. Over the socket, like ``open``'s credentials."""
+
+    kind: Literal["mirror-open"] = "mirror-open"
+    url: str
+    options: dict[str, Any] = Field(default_factory=dict)
+    keep: dict[str, Any] | None = None
+    retry_s: float = 1.0
+    #: How long an orphaned writer (its trainer gone) goes on uploading before it exits.
+    timeout_s: float = 600.0
+
+
+class MirrorSubmit(StrictModel):
+    """A cut the trainer just committed locally (``CutInfo.to_json`` and its metadata): upload it."""
+
+    kind: Literal["mirror-submit"] = "mirror-submit"
+    cut: dict[str, Any]
+
+
+class MirrorUpdate(StrictModel):
+    """From the worker's mirror thread, at any time: one of its events (``mirrored``, ``mirror-failed``,
+    ``mirror-skipped``; None when only its state changed) and the tier's state (``MirrorTier.state``).
+    The trainer's reader thread takes these apart from the answers to its requests."""
+
+    kind: Literal["mirror-update"] = "mirror-update"
+    event: dict[str, Any] | None = None
+    state: dict[str, Any]
+
+
 class Shutdown(StrictModel):
     kind: Literal["shutdown"] = "shutdown"
 
 
-Message = Union[Hello, OpenStore, WriteRequest, Marked, CutEnded, Progress, WriteDone, WriteFailed, Shutdown]
+Message = Union[Hello, OpenStore, WriteRequest, Marked, CutEnded, Progress, WriteDone, WriteFailed, MirrorOpen,
+                MirrorSubmit, MirrorUpdate, Shutdown]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(Message)
 
 

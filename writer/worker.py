@@ -39,6 +39,7 @@ from ckptstore.spi import write_shards
 from ckptstore.spi import Storage, StorageSpec, open_spec
 
 from . import protocol as P
+from .remote_mirror import WorkerMirror
 from .shm import Block
 
 IOPRIO_WHO_PROCESS = 1
@@ -74,6 +75,9 @@ class Worker:
         self.parent_gone = False
         self.terminating = False
         self.last_progress = time.monotonic()
+        #: The mirror tier this process uploads each committed cut into (issue 21; ``mirror-open``).
+        self.mirror: WorkerMirror | None = None
+        self._send_lock = threading.Lock()  # the main thread and the mirror thread both send
 
     # lifecycle -------------------------------------------------------------------------------------
     def orphaned(self, *_: Any) -> None:
@@ -142,6 +146,8 @@ class Worker:
         pending = self.pending
         if pending is not None and pending[1] is not None and pending[0].finish is not None:
             self.finish(*pending)  # type: ignore[arg-type]
+        if self.mirror is not None:
+            self.mirror.finish()  # the rescued cut and whatever else the mirror lacks (issue 21)
         if self.inherited is not None:
             self.inherited.release()
         for block in self.blocks.values():
@@ -228,6 +234,11 @@ class Worker:
                     self.pending = None
                 if self.held is not None and self.held.cut == msg.cut:
                     self.held = None  # it failed before its write: nothing was written, nothing to answer
+            elif isinstance(msg, P.MirrorOpen):
+                self.start_mirror(msg)
+            elif isinstance(msg, P.MirrorSubmit):
+                if self.mirror is not None:
+                    self.mirror.submit(msg)
             elif isinstance(msg, P.Shutdown):
                 break
             elif isinstance(msg, P.WriteRequest) and msg.after_mark:
@@ -236,15 +247,34 @@ class Worker:
                 self.handle(msg)
         if self.parent_gone:
             return self.rescue()
+        if self.mirror is not None:
+            self.mirror.stop()
         for block in self.blocks.values():
             block.close()
         return 0
+
+    def start_mirror(self, msg: P.MirrorOpen) -> None:
+        """The mirror tier, in this (niced) process: issue 21, "the upload runs in the writer process"."""
+        if self.mirror is not None:
+            return
+        try:
+            self.mirror = WorkerMirror(msg, self.open_storage(), self.send, self.uploaded)
+        except Exception as exc:  # noqa: BLE001 - bad settings: the trainer hears of it as an event
+            self.send(P.MirrorUpdate(event={"event": "mirror-failed", "cut": None, "step": None, "error": str(exc),
+                                            "error_type": type(exc).__name__, "attempt": 1, "retry_in": None},
+                                     state={"scanned": False, "waiting": [], "held": None,
+                                            "last_error": f"{type(exc).__name__}: {exc}", "seq": 0}))
+
+    def uploaded(self, _n: int) -> None:
+        """The mirror's uploads are progress too: an orphan draining them is not stalled."""
+        self.last_progress = time.monotonic()
 
     def send(self, msg: P.StrictModel) -> None:
         if self.parent_gone:
             return
         try:
-            P.send(self.sock, msg)
+            with self._send_lock:
+                P.send(self.sock, msg)
         except P.ChannelClosed:
             self.orphaned()
 
