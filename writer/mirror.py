@@ -38,6 +38,7 @@ from ckptstore import spi
 from ckptstore.spi import Emitter, MirrorConflict, Policy, Storage
 
 from .errors import WriterError
+from .gate import Gate
 
 #: The longest wait between two attempts at a mirror that keeps failing.
 RETRY_MAX_S = 30.0
@@ -74,13 +75,15 @@ class MirrorTier:
     def __init__(self, source: Storage, url: str, options: StoreOptions | None, keep: Policy | None,
                  events: Emitter, *, retry_s: float, source_options: StoreOptions | None = None,
                  progress: Callable[[int], None] | None = None,
-                 on_state: Callable[[], None] | None = None) -> None:
+                 on_state: Callable[[], None] | None = None, gate: Gate | None = None) -> None:
         """``source``: the local tier's storage (read through a reader handle of its own); ``progress``:
         called with each count of bytes uploaded (the writer process's liveness, issue 21); ``on_state``:
         called when :meth:`state` changed other than by an event (after a look at both stores, a prune)."""
         self.url = url
         self._source, self._options, self._keep, self._events = source, options, keep, events
         self._source_options, self._progress, self._on_state = source_options, progress, on_state
+        #: The writes of local cuts this upload yields to (``Gate``).
+        self.gate = gate if gate is not None else Gate()
         self._retry_s = retry_s
         self._rescan = False
         self._cond = threading.Condition()
@@ -302,7 +305,7 @@ class MirrorTier:
         """One cut onto the mirror, then the mirror's prune; False when it should be tried again."""
         t0 = time.perf_counter()
         try:
-            got = spi.mirror_cut(reader, mirror, info.id, progress=self._progress)
+            got = spi.mirror_cut(reader, mirror, info.id, progress=self._piece)
         except CutNotFound as exc:  # pruned locally meanwhile: nothing to upload
             self._end(info, exc)
             self._events.emit("mirror-skipped", step=info.step, cut=info.id, reason=str(exc))
@@ -328,6 +331,12 @@ class MirrorTier:
         self._events.emit("mirrored", step=info.step, cut=info.id, bytes=got.nbytes, seconds=seconds)
         self._prune_mirror(mirror, info)
         return True
+
+    def _piece(self, n: int) -> None:
+        """After each piece uploaded: a local cut being written goes first (``Gate``)."""
+        if self._progress is not None:
+            self._progress(n)
+        self.gate.wait_idle()
 
     def _prune_mirror(self, mirror: Store, info: CutInfo) -> None:
         if self._keep is None:

@@ -275,6 +275,12 @@ class CommitPipeline:
     def _write(self, job: _Job, target: PendingCut | RankPart) -> Written:
         """This rank's shards of the cut, written by the writer process (else here) into ``target``
         (the cut, or this rank's part of it), which the caller publishes them to."""
+        if isinstance(self.mirror, MirrorTier):  # thread mode: the tier's uploads yield to this write
+            with self.mirror.gate.busy():
+                return self._write_unmirrored(job, target)
+        return self._write_unmirrored(job, target)
+
+    def _write_unmirrored(self, job: _Job, target: PendingCut | RankPart) -> Written:
         handle = job.handle
         if self.options.mode == "process":
             try:

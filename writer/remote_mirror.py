@@ -33,6 +33,7 @@ from ckptstore.spi import Emitter, Policy, Storage
 
 from . import protocol as P
 from .errors import WriterError
+from .gate import Gate
 from .mirror import Hold, MirrorTier, MirrorTimeout
 
 #: How long a writer told to shut down lets an upload under way end before it exits anyway (the
@@ -67,12 +68,14 @@ class WorkerMirror:
     """The mirror tier inside the writer process, reporting to its trainer through ``send``."""
 
     def __init__(self, msg: P.MirrorOpen, source: Storage, send: Callable[[P.StrictModel], None],
-                 progress: Callable[[int], None]) -> None:
+                 progress: Callable[[int], None], gate: Gate) -> None:
+        """``gate``: held by the worker while it writes a cut's shards, which the uploads yield to."""
         self._send, self._seq, self.timeout_s = send, 0, msg.timeout_s
         self._lock = threading.Lock()
         keep = None if msg.keep is None else spi.policy_from_json(msg.keep)
         self.tier = MirrorTier(source, msg.url, StoreOptions(**msg.options), keep, Emitter(msg.url, self._event),
-                               retry_s=msg.retry_s, progress=progress, on_state=lambda: self._update(None))
+                               retry_s=msg.retry_s, progress=progress, on_state=lambda: self._update(None),
+                               gate=gate)
         self.tier.start()
 
     def submit(self, msg: P.MirrorSubmit) -> None:

@@ -39,6 +39,7 @@ from ckptstore.spi import write_shards
 from ckptstore.spi import Storage, StorageSpec, open_spec
 
 from . import protocol as P
+from .gate import Gate
 from .remote_mirror import WorkerMirror
 from .shm import Block
 
@@ -77,6 +78,8 @@ class Worker:
         self.last_progress = time.monotonic()
         #: The mirror tier this process uploads each committed cut into (issue 21; ``mirror-open``).
         self.mirror: WorkerMirror | None = None
+        #: Held while a cut's shards are written: the mirror's uploads wait for it (the local cut first).
+        self.gate = Gate()
         self._send_lock = threading.Lock()  # the main thread and the mirror thread both send
 
     # lifecycle -------------------------------------------------------------------------------------
@@ -258,7 +261,7 @@ class Worker:
         if self.mirror is not None:
             return
         try:
-            self.mirror = WorkerMirror(msg, self.open_storage(), self.send, self.uploaded)
+            self.mirror = WorkerMirror(msg, self.open_storage(), self.send, self.uploaded, self.gate)
         except Exception as exc:  # noqa: BLE001 - bad settings: the trainer hears of it as an event
             self.send(P.MirrorUpdate(event={"event": "mirror-failed", "cut": None, "step": None, "error": str(exc),
                                             "error_type": type(exc).__name__, "attempt": 1, "retry_in": None},
@@ -288,7 +291,8 @@ class Worker:
         self.pending = (req, None) if req.finish is not None else None
         self.writing = req
         try:
-            done = self.write(req)
+            with self.gate.busy():
+                done = self.write(req)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, typed, to the parent
             self.pending = None  # nothing to finish: the mark stays and gc removes what was written
             self.send(P.WriteFailed.of(req.cut, exc))  # as its own type, by its wire key (issue 20)

@@ -102,3 +102,21 @@ def test_a_mirror_that_is_down_costs_the_local_tier_at_most_what_mirror_keep_kee
     assert _steps(murl) == [4, 5]
     assert set(_steps(url)) <= {4, 5}
     assert not [e for e in log.of("mirrored") if e["step"] < 3]
+
+
+def test_the_gate_holds_an_upload_between_pieces_while_a_local_cut_is_written() -> None:
+    from ckptstore.writer.gate import Gate
+
+    gate, passed = Gate(), threading.Event()
+
+    def piece() -> None:  # what the tier does after each piece it uploaded
+        gate.wait_idle()
+        passed.set()
+
+    with gate.busy():
+        t = threading.Thread(target=piece)
+        t.start()
+        assert not passed.wait(0.3)  # held while the write lasts
+    assert passed.wait(BOUND)  # and let go once it ended
+    t.join(BOUND)
+    gate.wait_idle()  # idle: returns at once
