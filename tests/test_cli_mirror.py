@@ -162,6 +162,23 @@ def test_resume_info_reports_the_lag_of_a_mirror_that_fell_behind(tiers, capsys)
     assert code == 0 and f"mirror {mirror}: newest step 20, 20 step(s) and 2 cut(s) behind the local tier" in out
 
 
+def test_resume_info_of_a_replaced_node_with_mirror_says_resume_from_the_mirror(tiers, capsys) -> None:
+    """The local tier is gone (a new node): with --mirror, resume-info says what restore will read (the
+    mirror's newest cut that verifies), and exits as a missing local tier is not healthy (1); without
+    --mirror it is the usage error (2) it always was."""
+    local, mirror, ids = tiers
+    shutil.rmtree(local)
+    code, out, _ = run(capsys, "resume-info", local, "--mirror", mirror, "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["local_missing"] is True
+    assert (doc["resume_step"], doc["cut"], doc["tier"], doc["healthy"]) == (20, ids[20], "mirror", False)
+    assert doc["mirror"]["latest_step"] == 20 and doc["mirror"]["reachable"] is True
+    code, out, _ = run(capsys, "resume-info", local, "--mirror", mirror)
+    assert code == 1 and f"resume from step 20 ({ids[20]}) from the mirror {mirror}" in out
+    code, _out, err = run(capsys, "resume-info", local)
+    assert code == 2 and local in err
+
+
 def test_resume_info_takes_the_mirror_s_copy_of_a_damaged_local_cut_and_keeps_the_local_exit(
         tmp_path: Path, capsys) -> None:
     local, mirror = str(tmp_path / "local"), str(tmp_path / "mirror")

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from .. import layout, spi
-from ..errors import CutNotFound, UsageError
+from ..errors import CutNotFound, StoreNotFound, UsageError
 from ..manifest import Manifest
 from ..retention import KeepEvery, KeepFinal, KeepLast, KeepTagged, Policy
 from ..selection import Choice, select_manifest
@@ -270,7 +270,15 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 
 def cmd_resume_info(args: argparse.Namespace) -> int:
-    with Store.open(args.url, readonly=True) as store, tiers.read_mirror(args, store) as view:
+    try:
+        store = Store.open(args.url, readonly=True)
+    except StoreNotFound:
+        if args.mirror is None or args.no_mirror:
+            raise
+        doc, text = tiers.resume_info_mirror_alone(args)  # a replaced node: the mirror alone (issue 21)
+        emit(args, doc, text)
+        return EXIT_PROBLEM
+    with store, tiers.read_mirror(args, store) as view:
         cls = spi.classify(store)
         try:
             # Restore's choice: the newest step that verifies in either tier (issue 21; the local alone

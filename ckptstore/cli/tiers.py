@@ -204,3 +204,27 @@ def local_healthy(store: Store, cls: Classification, choice: Choice | None) -> b
 
 __all__ = ["MirrorView", "RECORDED", "add_mirror_flags", "choose_tiers", "lag_json", "lag_text", "local_healthy",
            "ls_mirrored", "ls_summary", "mirror_options", "mirror_url", "mirrored", "read_mirror"]
+
+
+def resume_info_mirror_alone(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """``resume-info LOCAL --mirror MIRROR`` where LOCAL is gone (a replaced node, issue 21): restore's
+    choice is then the mirror's newest cut that verifies (what ``restore(..., mirror=)`` reads), said
+    with ``local_missing``; the caller's exit status stays the local tier's (not healthy)."""
+    with Store.open(args.mirror, readonly=True, options=mirror_options(args)) as m:
+        cls = spi.classify(m)
+        try:
+            info, skipped = choose_cut(m.storage, cls, fallback=True)
+        except CutNotFound as exc:
+            info, skipped = None, {"*": exc.message}
+        newest = cls.committed[-1].step if cls.committed else None
+        doc = {"store": args.url, "local_missing": True, "resume_step": info.step if info else None,
+               "cut": info.id if info else None, "finished": bool(info.final) if info else False,
+               "healthy": False, "latest": None, "world_size": info.world_size if info else None,
+               "latest_problem": None, "skipped": [{"cut": c, "reason": r} for c, r in skipped.items()],
+               "tier": "mirror" if info else None,
+               "mirror": {"url": m.url, "latest_step": newest, "lag_steps": None, "lag_cuts": None, "reachable": True}}
+        text = (f"the local tier {args.url} is missing: "
+                + (f"resume from step {info.step} ({info.id}) from the mirror {m.url}; run "
+                   f"{'finished' if info.final else 'interrupted'}" if info else
+                   f"the mirror {m.url} holds no cut that verifies: start from scratch"))
+    return doc, text
