@@ -1,9 +1,12 @@
-"""The demo: a trainer takes cuts, is killed with SIGKILL mid-run, resumes, finishes; then the store is
-audited with `ckptstore verify` and listed with `ckptstore ls`. A second, uninterrupted run checks that
-the resumed run ends with bit-identical parameters.
+"""The demo: a trainer takes cuts into a local directory, each one copied into a mirror (a second
+directory standing for the durable tier: on a cluster an s3:// URL with mirror_options), is killed with
+SIGKILL mid-run, resumes, finishes; a second, uninterrupted run checks that the resumed run ends with
+bit-identical parameters. Then the local tier is deleted (a replaced node) and the same command restores
+from the mirror; `ckptstore verify --mirror` audits both tiers and `ckptstore resume-info --json` shows
+the mirror's lag (issue 21).
 
-``--ranks N`` runs the same story with an FSDP2 job of N ranks (torch.distributed.run, gloo on CPU):
-the whole job is SIGKILLed, restarts, and every rank's shards must end bit-identical.
+``--ranks N`` runs the first story with an FSDP2 job of N ranks (torch.distributed.run, gloo on CPU), no
+mirror: the whole job is SIGKILLed, restarts, and every rank's shards must end bit-identical.
 
 Run (after scripts/setup.sh): .venv/bin/python examples/demo.py [--dir DIR] [--ranks N]
 """
@@ -25,9 +28,9 @@ TRAIN_RANKS = os.path.join(HERE, "train_ranks.py")
 CLI = [sys.executable, "-m", "ckptstore.cli"]
 
 
-def command(store: str, steps: int, ranks: int) -> list[str]:
+def command(store: str, steps: int, ranks: int, mirror: str | None = None) -> list[str]:
     if ranks == 1:
-        return [sys.executable, TRAIN, store, "--steps", str(steps)]
+        return [sys.executable, TRAIN, store, "--steps", str(steps)] + (["--mirror", mirror] if mirror else [])
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
             TRAIN_RANKS, store, "--steps", str(steps)]
 
@@ -60,16 +63,19 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def run_until_killed(store: str, kill_after_step: int, steps: int, ranks: int) -> int:
-    """Starts the job and SIGKILLs all of it (every process of its session) once a cut past
-    ``kill_after_step`` is committed."""
-    proc = subprocess.Popen(command(store, steps, ranks), stdout=subprocess.PIPE, text=True, start_new_session=True)
+def run_until_killed(store: str, kill_after_step: int, steps: int, ranks: int, mirror: str | None) -> int:
+    """Starts the job and SIGKILLs all of it (every process of its session, its writer too) once a cut
+    past ``kill_after_step`` is committed."""
+    proc = subprocess.Popen(command(store, steps, ranks, mirror), stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
     assert proc.stdout is not None
     last = -1
     for line in proc.stdout:
         if not line.startswith("{"):
             continue
         ev = json.loads(line)
+        if ev.get("event") in ("mirrored", "mirror-skipped"):
+            print(f"  the mirror {'committed' if ev['event'] == 'mirrored' else 'skipped'} step {ev['step']}")
         if ev.get("event") == "committed":
             last = ev["step"]
             print(f"  job committed step {last}" + (f" (all {ev['world_size']} ranks)" if "world_size" in ev else ""))
@@ -81,19 +87,53 @@ def run_until_killed(store: str, kill_after_step: int, steps: int, ranks: int) -
     return last
 
 
-def run_to_end(store: str, steps: int, ranks: int) -> dict[int, str]:
-    """Runs the job to its end; returns each rank's final parameter digest."""
-    out = subprocess.run(command(store, steps, ranks), capture_output=True, text=True, timeout=300)
-    if out.returncode != 0:
-        sys.stderr.write(out.stdout[-3000:] + out.stderr[-3000:])
-        raise SystemExit(f"the job failed with exit {out.returncode}")
-    digests = {}
-    for ev in events_of(out.stdout):
+def start_job(store: str, steps: int, ranks: int, mirror: str | None = None) -> subprocess.Popen:
+    # Its output (about 12 KB for 60 steps) fits in the pipe until finish_job reads it.
+    return subprocess.Popen(command(store, steps, ranks, mirror), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finish_job(proc: subprocess.Popen) -> dict[int, str]:
+    """Waits for the job's end; returns each rank's final parameter digest. Prints where it resumed
+    from and what reached the mirror."""
+    out, err = proc.communicate(timeout=300)
+    if proc.returncode != 0:
+        sys.stderr.write(out[-3000:] + err[-3000:])
+        raise SystemExit(f"the job failed with exit {proc.returncode}")
+    digests: dict[int, str] = {}
+    mirror: dict[str, list[str]] = {"mirrored": [], "mirror-skipped": []}
+    for ev in events_of(out):
         if ev["event"] == "resumed":
-            print(f"  resumed from step {ev['step']} ({ev['cut']})")
+            tier = f", {ev['tier']} tier" if "tier" in ev else ""
+            print(f"  resumed from step {ev['step']} ({ev['cut']}){tier}")
+        if ev["event"] in mirror:
+            mirror[ev["event"]].append(str(ev["step"]))
         if ev["event"] == "finished":
             digests[ev.get("rank", 0)] = ev["params_blake3"]
+    if mirror["mirrored"]:
+        skipped = mirror["mirror-skipped"]
+        print(f"  the mirror committed step(s) {', '.join(mirror['mirrored'])}"
+              + (f"; skipped {', '.join(skipped)} (a backlog keeps what mirror_keep keeps)" if skipped else ""))
     return digests
+
+
+def cli(*argv: str) -> bool:
+    print(f"$ ckptstore {' '.join(argv)}", flush=True)
+    return subprocess.run(CLI + list(argv)).returncode == 0
+
+
+def replaced_node(store: str, mirror: str, steps: int, ref: dict[int, str]) -> bool:
+    """The node is replaced: its local tier is gone. The same command restores from the mirror (and
+    writes the cut back locally); then both tiers are audited and the mirror's lag is shown."""
+    print(f"5. a replaced node: {store} deleted, the same command restores out of the mirror")
+    shutil.rmtree(store)
+    back = finish_job(start_job(store, steps, 1, mirror))
+    same = back == ref
+    print(f"   parameters restored from the mirror bit-identical to the uninterrupted run: {same}")
+    print("6. the audit of both tiers, and the mirror's lag")
+    verify = cli("verify", store, "--mirror")
+    info = cli("resume-info", store, "--json")
+    return same and verify and info
 
 
 def main() -> int:
@@ -105,23 +145,38 @@ def main() -> int:
     steps = args.steps or (60 if args.ranks == 1 else 40)
     base = args.dir or tempfile.mkdtemp(prefix="ckptstore-demo-")
     store, reference = os.path.join(base, "store"), os.path.join(base, "reference")
-    for d in (store, reference):
-        shutil.rmtree(d, ignore_errors=True)
+    # The durable tier, a directory here (no network in the demo); on a cluster: mirror="s3://bucket/run1"
+    # with mirror_options. The job of several ranks tells the one-tier story, kept short for its test.
+    mirror = os.path.join(base, "mirror") if args.ranks == 1 else None
+    for d in (store, reference, mirror):
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
 
     who = "the trainer" if args.ranks == 1 else f"a job of {args.ranks} ranks"
-    print(f"1. training {who} into {store}, killing it mid-run")
-    run_until_killed(store, kill_after_step=steps // 2, steps=steps, ranks=args.ranks)
-    print("2. restarting: it resumes from LATEST and finishes")
-    done = run_to_end(store, steps, args.ranks)
-    print("3. an uninterrupted reference run")
-    ref = run_to_end(reference, steps, args.ranks)
+    tiers = f" (mirror {mirror})" if mirror else ""
+    print(f"1. training {who} into {store}{tiers}, killing it mid-run")
+    # One process: the reference run goes on beside steps 1 and 2 (it shares nothing with them), so the
+    # mirror's added steps cost little wall time where a core is spare. Several ranks: after them, as before.
+    beside = start_job(reference, steps, 1) if args.ranks == 1 else None
+    try:
+        run_until_killed(store, kill_after_step=steps // 2, steps=steps, ranks=args.ranks, mirror=mirror)
+        print("2. restarting: it resumes from LATEST and finishes" + (", and the mirror catches up" if mirror else ""))
+        done = finish_job(start_job(store, steps, args.ranks, mirror))
+        print("3. an uninterrupted reference run" + (f" (it ran beside 1 and 2, into {reference})" if beside else ""))
+        ref = finish_job(beside or start_job(reference, steps, args.ranks))
+    finally:
+        if beside is not None and beside.poll() is None:  # a failed step: leave no job behind
+            kill_tree(beside.pid)
+            beside.communicate()
     same = len(done) == args.ranks and done == ref
     print(f"   final parameters (every rank's) bit-identical to the uninterrupted run: {same}")
-    print("4. ckptstore verify")
-    verify = subprocess.run(CLI + ["verify", store])
-    print("5. ckptstore ls")
-    ls = subprocess.run(CLI + ["ls", store])
-    ok = same and verify.returncode == 0 and ls.returncode == 0
+    if mirror is None:
+        print("4. the audit and the store's cuts")
+        audited = [cli("verify", store), cli("ls", store)]
+    else:  # the audit comes after the restore from the mirror, of both tiers (replaced_node)
+        print("4. the store's cuts, and which of them are on the mirror")
+        audited = [cli("ls", store), replaced_node(store, mirror, steps, ref)]
+    ok = same and all(audited)
     print("demo", "OK" if ok else "FAILED", f"(stores under {base})")
     return 0 if ok else 1
 

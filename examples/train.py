@@ -1,9 +1,10 @@
 """A small restartable training loop that takes background cuts every few steps with ckptstore.
 
-Run: python examples/train.py STORE --steps 60 --every 5
-It resumes from the store's LATEST cut when there is one (ckptstore.restore), takes cuts through a
+Run: python examples/train.py STORE --steps 60 --every 5 [--mirror MIRROR]
+It resumes from the newest cut that verifies (ckptstore.restore, fallback=True), takes cuts through a
 Checkpointer (a niced writer process writes them while training goes on) and prints one JSON line per
-event.
+event. With ``--mirror`` each cut committed in STORE is copied into the store MIRROR behind the loop
+(events "mirrored"), and a restart whose STORE is gone restores from MIRROR (issue 21).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> int:
     ap.add_argument("store")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--mirror", default=None, help="a second store each cut is copied into (the durable tier)")
     args = ap.parse_args()
 
     model, opt, sched = build()
@@ -56,14 +58,17 @@ def main() -> int:
             sys.stdout.flush()
 
     keep = ckptstore.KeepLast(3) | ckptstore.KeepEvery(20)
+    # The mirror keeps what the local tier keeps; on a cluster it is an s3:// URL with mirror_options.
+    tier = {"mirror": args.mirror, "mirror_keep": keep} if args.mirror else {}
     # busy="wait": every due cut is taken (the demo's steps are tiny); real loops keep the default "skip".
-    with Checkpointer(args.store, every=args.every, keep=keep, busy="wait", on_event=events) as ck:
+    with Checkpointer(args.store, every=args.every, keep=keep, busy="wait", on_event=events, **tier) as ck:
         start = 0
-        resumed = ckptstore.restore(ck.store, model=model, optimizer=opt, scheduler=sched)
+        # fallback: the newest cut that verifies, in either tier (a replaced node's empty STORE: the mirror).
+        resumed = ckptstore.restore(ck.store, model=model, optimizer=opt, scheduler=sched, fallback=True)
         if resumed is not None:
             data_gen.set_state(resumed.extra["data_gen"])
             start = resumed.step
-            events({"event": "resumed", "step": start, "cut": resumed.cut.id})
+            events({"event": "resumed", "step": start, "cut": resumed.cut.id, "tier": resumed.tier})
         for step in range(start + 1, args.steps + 1):
             x, y = batch(data_gen)
             loss = torch.nn.functional.mse_loss(model(x), y)
