@@ -8,6 +8,7 @@ from .core import StoreCore
 from .errors import UsageError
 from .info import CutInfo
 from .labels import MAX_LABEL, Label, label_path
+from .manifest import Manifest
 from .marks import FinalMark
 from .protocol import now_iso
 from .selection import CutSelector, select_manifest
@@ -47,11 +48,18 @@ def mark_final(core: StoreCore, cut: CutSelector) -> CutInfo:
     core.require_writer("mark_final")
     cls = core.classify()
     m = select_manifest(cls, cut, core.url)
-    if not (m.final or m.cut in cls.final):
+    return mark_manifest_final(core, m, marked=m.cut in cls.final)
+
+
+def mark_manifest_final(core: StoreCore, m: Manifest, *, marked: bool) -> CutInfo:
+    """:func:`mark_final` of committed cut ``m``, which the caller found (``marked``: it has a final
+    mark already). A mirror's upload finds its cut by name, without classifying the mirror (issue 21)."""
+    core.require_writer("mark_final")
+    if not (m.final or marked):
         core.own_dirs(layout.FINAL_DIR)
         core.protocol.mark_final(FinalMark(cut=m.cut, step=m.step, marked_at=now_iso()))
         core.events.emit("marked-final", cut=m.cut, step=m.step)
     return CutInfo.from_manifest(m, marked_final=True)
 
 
-__all__ = ["label", "labels", "mark_final", "unlabel"]
+__all__ = ["label", "labels", "mark_final", "mark_manifest_final", "unlabel"]

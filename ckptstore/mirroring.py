@@ -19,10 +19,15 @@ older than the mirror's LATEST is committed without moving it (``CommitProtocol.
 :func:`missing` and :func:`mirror_missing` catch a mirror up, oldest first (``ckptstore mirror``). A cut
 of several ranks mirrored by its ranks, each its own files, goes through :mod:`ckptstore.mirroring_ranks`,
 which builds on :func:`source_manifest`, :func:`on_mirror`, :func:`copy_file` and :func:`source_damage`.
+
+One upload costs O(files of its cut) requests, whatever the number of cuts either store holds (issue 21):
+both stores are read by name (LATEST, that cut's manifest and marks), never classified; a cut at or below
+the mirror's LATEST step lists ``cuts/`` once more, for another cut at its step (a ``MirrorConflict``).
 """
 
 from __future__ import annotations
 
+import errno
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -32,9 +37,10 @@ from .core import StoreCore
 from .errors import CkptStoreError, CutNotFound, DataError, StepConflict, StorageError, UsageError
 from .events import log
 from .info import CutInfo
+from .latest import Pointer
 from .manifest import FileRecord, Manifest, TensorRecord
+from .paths import refuse_symlinked_cut
 from .pending import PendingCut
-from .recovery import Classification
 from .shardread import read_shard_into
 from .storage import Storage
 from .store import Store, core_of
@@ -94,15 +100,16 @@ def mirror_cut(src: Store, dst: Store, cut: str, *, progress: Progress | None = 
         raise UsageError("mirroring from a closed store", store=s.url)
     if s.url == d.url:
         raise UsageError(f"a store cannot be its own mirror: {s.url}", store=s.url)
-    data, m, s_cls = source_manifest(s, cut)
+    src_cut = source_manifest(s, cut)
+    m, data = src_cut.manifest, src_cut.data
     present = on_mirror(s, d, m, data)
     if present is None:
         started = time.monotonic()
         present = _copy_cut(s, d, m, data, progress)
         d.events.emit("mirrored", cut=m.cut, step=m.step, source=s.url, nbytes=m.nbytes,
                       seconds=round(time.monotonic() - started, 6))
-    if m.cut in s_cls.final and not present.final:
-        present = labeling.mark_final(d, m.cut)  # marked final after its commit, on the source
+    if src_cut.marked_final and not present.final:
+        present = labeling.mark_manifest_final(d, m, marked=False)  # marked final after its commit, on the source
     return present
 
 
@@ -130,36 +137,122 @@ def mirror_missing(src: Store, dst: Store, *, progress: Progress | None = None,
     return report
 
 
-def source_manifest(s: StoreCore, cut: str) -> tuple[bytes, Manifest, Classification]:
-    """The bytes of committed cut ``cut``'s manifest on the source, what they parse to, and the
-    source's classification."""
+@dataclass(frozen=True)
+class SourceCut:
+    """A committed cut of the source as an upload reads it: its manifest's bytes, what they parse to,
+    and whether it was marked final after its commit (``final/``)."""
+
+    data: bytes
+    manifest: Manifest
+    marked_final: bool
+
+
+def source_manifest(s: StoreCore, cut: str) -> SourceCut:
+    """Committed cut ``cut`` of the source, read by name: LATEST, the manifest, then the mark (a scan's
+    order, docs/design.md), committed as a classification says (a valid manifest, and no mark or
+    LATEST names it); ``CutNotFound`` otherwise. Issue 21: the tier uploads once per cut, and a
+    classification lists every cut directory and reads every manifest, O(cuts) requests on S3."""
     layout.check_cut_id(cut, store=s.url)
-    cls = s.classify()
-    if cls.find(cut) is None:
-        raise CutNotFound(f"cut {cut} is not committed in {s.url}", store=s.url, cut=cut)
+    refuse_symlinked_cut(s.storage, cut)
+    pointer = _pointer(s.storage, s.url)
     rel = layout.manifest_path(cut)
-    data = s.storage.read_bytes(rel)
-    return data, Manifest.from_bytes(data, store=s.url, cut=cut, path=rel), cls
+    data = _read_or_none(s.storage, rel)
+    if data is None or not _unmarked_or_latest(s.storage, cut, pointer):
+        raise CutNotFound(f"cut {cut} is not committed in {s.url}", store=s.url, cut=cut, path=rel)
+    try:
+        m = _parse(s.url, cut, data)
+    except DataError as exc:  # a damaged manifest commits nothing (the classification's word, as before)
+        raise CutNotFound(f"cut {cut} is not committed in {s.url}: its manifest is damaged ({exc.message})",
+                          store=s.url, cut=cut, path=rel) from exc
+    return SourceCut(data, m, not m.final and s.storage.exists(layout.final_path(cut)))
 
 
 def on_mirror(s: StoreCore, d: StoreCore, m: Manifest, data: bytes) -> CutInfo | None:
     """The mirror's info of the cut when it holds it already (the same manifest bytes), None when it
-    does not; ``MirrorConflict`` when it holds another cut under its id or at its step."""
-    cls = d.classify()
-    have = cls.find(m.cut)
+    does not; ``MirrorConflict`` when it holds another cut under its id or at its step. Read by name
+    as :func:`source_manifest` reads (issue 21): its manifest, and LATEST, which names the mirror's
+    newest cut (``commit_in_order`` moves it only forward), so a cut above LATEST's step costs no
+    listing; one at or below it lists ``cuts/`` once, never a cut directory."""
+    refuse_symlinked_cut(d.storage, m.cut)
+    pointer = _pointer(d.storage, d.url)
     rel = layout.manifest_path(m.cut)
-    if have is not None:
-        if d.storage.read_bytes(rel) == data:
-            return cls.info(have)
+    have = _read_or_none(d.storage, rel)
+    if have is not None and _committed(d, m.cut, have, pointer):
+        if have == data:
+            return CutInfo.from_manifest(m, marked_final=not m.final and d.storage.exists(layout.final_path(m.cut)))
         raise MirrorConflict(f"the mirror holds cut {m.cut} with another manifest than the source {s.url}",
                              store=d.url, cut=m.cut, path=rel,
                              hint="a mirror belongs to one source store; give this one a URL of its own")
-    other = [x.cut for x in cls.committed if x.step == m.step]
-    if other:
-        raise MirrorConflict(f"the mirror holds cut {other[0]} at step {m.step}; the source {s.url} has cut "
-                             f"{m.cut} there", store=d.url, cut=other[0],
+    other = _other_at_step(d, m, pointer)
+    if other is not None:
+        raise MirrorConflict(f"the mirror holds cut {other} at step {m.step}; the source {s.url} has cut "
+                             f"{m.cut} there", store=d.url, cut=other, path=layout.manifest_path(other),
                              hint="a mirror belongs to one source store; give this one a URL of its own")
     return None
+
+
+def _other_at_step(d: StoreCore, m: Manifest, pointer: Pointer | None) -> str | None:
+    """A committed cut of the mirror at ``m``'s step under another id, or None. Above LATEST's step
+    there is none (the rule ``StoreCore.check_step`` applies to every save, issue 24). Otherwise the
+    names of ``cuts/`` tell the candidates: a cut id carries its step, and a valid manifest's step
+    is its id's (``Manifest`` checks it)."""
+    if pointer is not None and pointer.step < m.step:
+        return None
+    for e in d.storage.list_dir(layout.CUTS_DIR):
+        if not (e.is_dir and e.name != m.cut and layout.is_cut_id(e.name) and layout.step_of_cut_id(e.name) == m.step):
+            continue
+        body = _read_or_none(d.storage, layout.manifest_path(e.name))
+        if body is not None and _committed(d, e.name, body, pointer):
+            return e.name
+    return None
+
+
+def _committed(d: StoreCore, cut: str, body: bytes, pointer: Pointer | None) -> bool:
+    """Whether ``cut``, whose manifest reads ``body``, is committed on the mirror: the manifest is
+    valid (a damaged one commits nothing: the copy writes over it, as before) and the cut unmarked
+    or LATEST's."""
+    try:
+        _parse(d.url, cut, body)
+    except DataError:
+        return False
+    return _unmarked_or_latest(d.storage, cut, pointer)
+
+
+def _unmarked_or_latest(storage: Storage, cut: str, pointer: Pointer | None) -> bool:
+    """The protocol's test of a cut with a valid manifest (LATEST read before, the mark after: a stale
+    mark that Rule M removes before LATEST moves on is then never read as in flight)."""
+    return (pointer is not None and pointer.cut == cut) or not storage.exists(layout.mark_path(cut))
+
+
+def _pointer(storage: Storage, url: str) -> Pointer | None:
+    """LATEST as it is now; None when absent or damaged (then it names no cut, and rules out no
+    conflict: ``_other_at_step`` lists)."""
+    data = _read_or_none(storage, layout.LATEST_FILE)
+    try:
+        return None if data is None else Pointer.from_bytes(data, store=url, path=layout.LATEST_FILE)
+    except DataError:
+        return None
+
+
+def _parse(url: str, cut: str, body: bytes) -> Manifest:
+    rel = layout.manifest_path(cut)
+    m = Manifest.from_bytes(body, store=url, cut=cut, path=rel)
+    if m.cut != cut:
+        raise DataError(f"manifest names cut {m.cut!r} but lives in {cut!r}", store=url, cut=cut, path=rel)
+    return m
+
+
+def _read_or_none(storage: Storage, rel: str) -> bytes | None:
+    """One small file's bytes; None when absent. Any other error is raised: "cannot tell" never reads
+    as "absent"."""
+    try:
+        return storage.read_bytes(rel)
+    except FileNotFoundError:
+        return None
+    except StorageError as exc:
+        if exc.errno == errno.ENOENT:
+            return None
+        raise
 
 
 def _copy_cut(s: StoreCore, d: StoreCore, m: Manifest, data: bytes, progress: Progress | None) -> CutInfo:

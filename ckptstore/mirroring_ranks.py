@@ -85,7 +85,8 @@ def mirror_rank(src: Store, dst: Store, cut: str, rank: int, *, rank_timeout: fl
 def _coordinate(s: StoreCore, d: StoreCore, cut: str, rank_timeout: float, progress: Progress | None) -> CutInfo:
     """Rank 0: mark, its own part, every rank's record, commit (module docstring)."""
     d.require_writer("mirroring a cut of several ranks (rank 0)")
-    data, m, s_cls = source_manifest(s, cut)
+    src_cut = source_manifest(s, cut)
+    data, m = src_cut.data, src_cut.manifest
     _check_rank(d, m, 0)
     present = on_mirror(s, d, m, data)
     if present is None:
@@ -102,8 +103,8 @@ def _coordinate(s: StoreCore, d: StoreCore, cut: str, rank_timeout: float, progr
             raise
         d.events.emit("mirrored", cut=m.cut, step=m.step, source=s.url, nbytes=m.nbytes,
                       seconds=round(time.monotonic() - started, 6))
-    if m.cut in s_cls.final and not present.final:
-        present = labeling.mark_final(d, m.cut)  # marked final after its commit, on the source
+    if src_cut.marked_final and not present.final:
+        present = labeling.mark_manifest_final(d, m, marked=False)  # marked final after its commit, on the source
     return present
 
 

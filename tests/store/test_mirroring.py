@@ -197,6 +197,50 @@ def test_a_mirror_holding_another_cut_under_the_id_or_at_the_step_is_refused_nam
                 assert [(c.id, c.step) for c in dst.cuts()] == before and spi.classify(dst).leftovers == []
 
 
+def test_a_conflict_below_the_mirrors_latest_is_found_by_the_step_in_the_cut_ids(tmp_path) -> None:
+    """The mirror's other cut at the step sits below its LATEST: ``mirror_cut`` lists ``cuts/`` once
+    (no classification) and finds it by the step its id carries."""
+    src_url, other = _source(tmp_path), str(tmp_path / "other")
+    with Store.open(other, create=True) as o:
+        at_3 = o.save({"x": np.ones(3)}, step=3).id  # its own cut at the source's step 3
+        o.save({"x": np.ones(3)}, step=5)
+    with Store.open(src_url, readonly=True) as src, Store.open(other) as dst:
+        first, _, third, fourth = src.cuts()
+        with pytest.raises(spi.MirrorConflict) as exc:
+            spi.mirror_cut(src, dst, third.id)
+        assert (exc.value.store, exc.value.cut) == (dst.url, at_3) and src.url in str(exc.value)
+        assert spi.mirror_cut(src, dst, fourth.id).id == fourth.id  # below LATEST (5), none other at its step
+        assert spi.mirror_cut(src, dst, first.id).id == first.id
+        assert [c.step for c in dst.cuts()] == [1, 3, 4, 5] and dst.latest().step == 5
+
+
+def _put_mark(url: str, cut: str) -> None:
+    from ckptstore.marks import Mark
+
+    mark = Mark(cut=cut, step=layout.step_of_cut_id(cut), host="elsewhere", pid=1,
+                started_at="2026-01-01T00:00:00+00:00", writer="store.save")
+    Path(url, layout.mark_path(cut)).write_bytes(mark.to_bytes())
+
+
+def test_a_source_cut_read_by_name_is_committed_exactly_when_a_classification_says_so(tmp_path) -> None:
+    """The source's cut is read by name (its manifest, LATEST, its mark): a marked cut that LATEST does
+    not name is in flight (``CutNotFound``, nothing uploaded); a stale mark beside LATEST's cut is not."""
+    src_url, dst_url = _source(tmp_path), str(tmp_path / "mirror")
+    with Store.open(src_url, readonly=True) as src:
+        first, *_, newest = src.cuts()
+    _put_mark(src_url, first.id)
+    _put_mark(src_url, newest.id)  # a crash between LATEST and the mark's removal: still committed
+    with Store.open(src_url, readonly=True) as src, Store.open(dst_url, create=True) as dst:
+        assert first.id not in spi.classify(src).committed_ids() and newest.id in spi.classify(src).committed_ids()
+        with pytest.raises(ckptstore.CutNotFound) as exc:
+            spi.mirror_cut(src, dst, first.id)
+        assert (exc.value.store, exc.value.cut) == (src.url, first.id)
+        assert spi.mirror_cut(src, dst, newest.id) == dst.latest() and dst.latest().final
+        assert [c.id for c in dst.cuts()] == [newest.id] and spi.classify(dst).leftovers == []
+        with pytest.raises(ckptstore.CutNotFound):
+            spi.mirror_cut(src, dst, first.id.replace(first.id[-8:], "0" * 8))  # no such cut
+
+
 def test_the_cli_mirrors_what_is_missing_as_json_with_progress_on_stderr(tmp_path, capsys) -> None:
     src_url, dst_url = _source(tmp_path), str(tmp_path / "mirror")
     assert main(["mirror", src_url, "--to", dst_url, "--json"]) == 0
@@ -297,3 +341,66 @@ def _source_one(tmp_path: Path) -> str:
     with Store.open(url, create=True) as s:
         s.save({"x": np.arange(3)}, step=1)
     return url
+
+
+
+
+def _small(step: int) -> dict[str, Any]:
+    """A state of one shard whose shape is the same at every step: each cut costs the same requests."""
+    return {"w": np.full(64, step, dtype=np.float32), "step": step}
+
+
+def _into_bucket(fs: Any, local: str, url: str) -> None:
+    """A local store's files put under ``url`` as they are (the same layout on both kinds of storage),
+    its writer lock left out: in one batch, where saves or uploads on S3 cost a dozen requests a cut."""
+    files = {}
+    for root, _, names in os.walk(local):
+        for name in set(names) - {layout.LOCK_FILE, layout.WRITER_FILE}:
+            path = os.path.join(root, name)
+            files[f"{url}/{os.path.relpath(path, local)}"] = Path(path).read_bytes()
+    fs.pipe(files)
+
+
+def _requests_with(n: int, tmp_path: Path, s3_url, fs: Any, proxies) -> dict[str, dict[str, int]]:
+    """The requests (by operation) each store answers for two uploads into an S3 mirror holding ``n``
+    cuts of an S3 source of ``n + 2``, each store behind a proxy of its own that logs them: the next
+    cut (above the mirror's LATEST: the Checkpointer's case) and the first (below it: a catch-up's)."""
+    base, opts = s3_url
+    local, mirrored = str(tmp_path / f"src{n}"), str(tmp_path / f"mirror{n}")
+    with Store.open(local, create=True) as s, Store.open(mirrored, create=True) as m:
+        ids = [s.save(_small(step), step=step).id for step in range(1, n + 3)]
+        for cut in ids[1:-1]:
+            spi.mirror_cut(s, m, cut)
+    src_url, dst_url = f"{base}-n{n}-src", f"{base}-n{n}-mirror"
+    _into_bucket(fs, local, src_url)
+    _into_bucket(fs, mirrored, dst_url)
+    src_opts, dst_opts = (StoreOptions(storage_options=p.options(opts)) for p in proxies)
+    counts: dict[str, dict[str, int]] = {}
+    with Store.open(src_url, readonly=True, options=src_opts) as src, Store.open(dst_url, options=dst_opts) as dst:
+        for which, cut in (("above latest", ids[-1]), ("below latest", ids[0])):
+            assert all(p.settle() for p in proxies)
+            before = [len(p.log) for p in proxies]
+            spi.mirror_cut(src, dst, cut)
+            assert all(p.settle() for p in proxies)
+            for store, p, start in zip(("source", "mirror"), proxies, before):
+                # The writer lease's renewal runs on its own clock: not a request of the upload.
+                ops = [s.op for s in p.log[start:] if not s.key.endswith(layout.LEASE_FILE)]
+                counts[f"{which}, {store}"] = {op: ops.count(op) for op in sorted(set(ops))}
+        after = spi.classify(dst)
+        assert [m.cut for m in after.committed] == ids and after.latest.cut == ids[-1] and after.leftovers == []
+    return counts
+
+
+def test_one_upload_costs_the_same_requests_whatever_the_number_of_cuts_on_either_store(
+        tmp_path, s3_server, s3_url, s3_proxy) -> None:
+    """Issue 21: ``mirror_cut`` runs once per committed cut, so it reads what it needs by name (the
+    source's LATEST, manifest and marks of the cut; the mirror's manifest of it and LATEST) instead of
+    classifying both stores, which cost O(cuts) listings and manifest reads per upload."""
+    import s3fs
+    from s3proxy import FaultProxy
+
+    fs = s3fs.S3FileSystem(**s3_url[1])
+    with FaultProxy(s3_server) as source_proxy:
+        proxies = (source_proxy, s3_proxy)
+        few, many = (_requests_with(n, tmp_path, s3_url, fs, proxies) for n in (3, 12))
+    assert few == many, (few, many)
