@@ -22,7 +22,8 @@ One thread (``ckptstore-mirror``) does every upload, so the loop never waits for
   its writer's rescue) reaches the mirror after the next Checkpointer open.
 
 The local tier is read through a reader handle of its own (the commit thread keeps the writer handle),
-over the same storage. World size 1 only for now (issue 21 names several ranks as a later part).
+over the same storage. With several ranks this is rank 0's tier, its ``upload`` rank 0's share of
+``mirror_rank``; the others follow its marks (:mod:`ckptstore.writer.mirror_ranks`).
 """
 
 from __future__ import annotations
@@ -75,11 +76,14 @@ class MirrorTier:
     def __init__(self, source: Storage, url: str, options: StoreOptions | None, keep: Policy | None,
                  events: Emitter, *, retry_s: float, source_options: StoreOptions | None = None,
                  progress: Callable[[int], None] | None = None,
-                 on_state: Callable[[], None] | None = None, gate: Gate | None = None) -> None:
+                 on_state: Callable[[], None] | None = None, gate: Gate | None = None,
+                 upload: Callable[[Store, Store, CutInfo, Callable[[int], None]], CutInfo] | None = None) -> None:
         """``source``: the local tier's storage (read through a reader handle of its own); ``progress``:
         called with each count of bytes uploaded (the writer process's liveness, issue 21); ``on_state``:
-        called when :meth:`state` changed other than by an event (after a look at both stores, a prune)."""
+        called when :meth:`state` changed other than by an event (after a look at both stores, a prune);
+        ``upload``: one cut onto the mirror (``mirror_cut``; rank 0 of several: ``mirror_ranks``)."""
         self.url = url
+        self._upload_cut = upload or (lambda r, m, info, progress: spi.mirror_cut(r, m, info.id, progress=progress))
         self._source, self._options, self._keep, self._events = source, options, keep, events
         self._source_options, self._progress, self._on_state = source_options, progress, on_state
         #: The writes of local cuts this upload yields to (``Gate``).
@@ -102,9 +106,12 @@ class MirrorTier:
 
     # ------------------------------------------------------------------------ the Checkpointer's side
     def submit(self, info: CutInfo) -> None:
-        """A cut just committed locally (the commit thread, after its ``committed`` event)."""
+        """A cut just committed locally (the commit thread, after its ``committed`` event). One the
+        tier already uploaded or gave up is not queued again: the look at both stores may have found
+        it, and uploaded it, before its submit came (a second ``mirrored`` event, seen in a test)."""
         with self._cond:
-            self._backlog[info.id] = info
+            if info.id not in self._on_mirror and info.id not in self._gone:
+                self._backlog[info.id] = info
             self._cond.notify_all()
 
     def hold(self) -> Policy:
@@ -305,7 +312,7 @@ class MirrorTier:
         """One cut onto the mirror, then the mirror's prune; False when it should be tried again."""
         t0 = time.perf_counter()
         try:
-            got = spi.mirror_cut(reader, mirror, info.id, progress=self._piece)
+            got = self._upload_cut(reader, mirror, info, self._piece)
         except CutNotFound as exc:  # pruned locally meanwhile: nothing to upload
             self._end(info, exc)
             self._events.emit("mirror-skipped", step=info.step, cut=info.id, reason=str(exc))

@@ -14,7 +14,8 @@ many (issue 20):
    the commit thread from the same block, and published (one rank: to the pending cut; several: a
    durable rank record);
 3. rank 0 commits once every part is durable (``PendingCut.finish``); every rank hears the outcome;
-4. with a mirror, rank 0 hands the committed cut to the mirror tier (:mod:`ckptstore.writer.mirror`);
+4. with a mirror, rank 0 hands the committed cut to the mirror tier (:mod:`ckptstore.writer.mirror`;
+   the other ranks' tiers follow rank 0's marks on the mirror: :mod:`ckptstore.writer.mirror_ranks`);
 5. rank 0 prunes (``keep``, sparing what the mirror still needs): a failed prune never fails a committed cut.
 
 Nothing here raises to the loop: the outcome lands in the cut's handle, and the ledger
@@ -44,7 +45,7 @@ from .errors import WriterDied, WriterTimeout
 from .handle import CutHandle, elapsed
 from .ledger import CutLedger
 from .mirror import MirrorTier
-from .remote_mirror import RemoteMirror
+from .remote_mirror import RankedMirror, RemoteMirror
 from .options import WriterOptions
 from .plan import grown_size
 from .process import WriterProcess
@@ -101,7 +102,7 @@ class CommitPipeline:
         self._thread: threading.Thread | None = None
         #: The mirror tier each committed cut is handed to (issue 21; None: no mirror): in process mode
         #: the writer process's (each writer started is attached to it), else a thread of this process.
-        self.mirror: MirrorTier | RemoteMirror | None = None
+        self.mirror: MirrorTier | RemoteMirror | RankedMirror | None = None
 
     def start(self) -> None:
         """Starts the writer process (process mode) and the commit thread (process and thread mode)."""
@@ -275,8 +276,9 @@ class CommitPipeline:
     def _write(self, job: _Job, target: PendingCut | RankPart) -> Written:
         """This rank's shards of the cut, written by the writer process (else here) into ``target``
         (the cut, or this rank's part of it), which the caller publishes them to."""
-        if isinstance(self.mirror, MirrorTier):  # thread mode: the tier's uploads yield to this write
-            with self.mirror.gate.busy():
+        gate = self.mirror.gate if isinstance(self.mirror, (MirrorTier, RankedMirror)) else None
+        if gate is not None:  # thread mode: the tier's uploads yield to this write
+            with gate.busy():
                 return self._write_unmirrored(job, target)
         return self._write_unmirrored(job, target)
 
@@ -349,7 +351,7 @@ class CommitPipeline:
     def _start_writer(self) -> WriterProcess:
         assert self._spec is not None
         writer = WriterProcess(self._spec, self.options, lock=spi.lock_handoff(self.store))
-        if isinstance(self.mirror, RemoteMirror):
+        if isinstance(self.mirror, (RemoteMirror, RankedMirror)):
             self.mirror.attach(writer)  # it uploads to the mirror, after looking at both stores
         return writer
 

@@ -148,6 +148,11 @@ class MirrorOpen(StrictModel):
     retry_s: float = 1.0
     #: How long an orphaned writer (its trainer gone) goes on uploading before it exits.
     timeout_s: float = 600.0
+    #: The trainer's rank of a job's ``world_size`` ranks, and the bound of each wait for the others on
+    #: the mirror (issue 21, several ranks: rank 0's tier decides, the others follow its marks).
+    rank: int = 0
+    world_size: int = 1
+    rank_timeout: float = 300.0
 
 
 class MirrorSubmit(StrictModel):

@@ -165,11 +165,17 @@ class RankedCuts:
             raise
 
     def wait_committed(self, handle: CutHandle) -> CutInfo:
-        """``cut(final=True)``: every rank waits for the outcome, which is the same on every rank."""
+        """``cut(final=True)``: every rank waits for the outcome, which is the same on every rank; with a
+        mirror, a final cut then waits for its mirror commit on every rank (issue 21: rank 0's wait,
+        agreed through the group; bounded by ``mirror_timeout``; ``MirrorTimeout`` on every rank)."""
         with self.ranks.busy():
             handle.wait_ended()
             self._agree_failures(self.ranks.exchange("cut-final", {"failed": self._unreported()}, **self.where))
-        return handle.wait()
+        info = handle.wait()
+        mirror = self.pipeline.mirror
+        if handle.final and mirror is not None:
+            mirror.wait(handle.id, self.pipeline.options.mirror_timeout)
+        return info
 
 
 __all__ = ["RankedCuts", "agree_ready"]

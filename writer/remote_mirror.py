@@ -35,6 +35,7 @@ from . import protocol as P
 from .errors import WriterError
 from .gate import Gate
 from .mirror import Hold, MirrorTier, MirrorTimeout
+from .mirror_ranks import FollowerTier, agreed_wait, make_tier
 
 #: How long a writer told to shut down lets an upload under way end before it exits anyway (the
 #: mirror's next writer open removes what a cut-off upload left).
@@ -42,7 +43,7 @@ STOP_JOIN_S = 2.0
 
 
 def open_message(url: str, options: StoreOptions | None, keep: Policy | None, *, retry_s: float,
-                 timeout_s: float) -> P.MirrorOpen:
+                 timeout_s: float, ranks: Any = None) -> P.MirrorOpen:
     """The ``mirror-open`` frame; a UsageError when the mirror's settings cannot reach another process."""
     doc: dict[str, Any] = {}
     if options is not None:
@@ -61,7 +62,8 @@ def open_message(url: str, options: StoreOptions | None, keep: Policy | None, *,
     except TypeError as exc:
         raise UsageError(f"mirror_keep: {exc}; the writer process applies it", store=url,
                          hint="compose ckptstore's policies, or use mode='thread'") from None
-    return P.MirrorOpen(url=url, options=doc, keep=keep_doc, retry_s=retry_s, timeout_s=timeout_s)
+    where = {} if ranks is None else {"rank": ranks.rank, "world_size": ranks.size, "rank_timeout": ranks.rank_timeout}
+    return P.MirrorOpen(url=url, options=doc, keep=keep_doc, retry_s=retry_s, timeout_s=timeout_s, **where)
 
 
 class WorkerMirror:
@@ -73,9 +75,9 @@ class WorkerMirror:
         self._send, self._seq, self.timeout_s = send, 0, msg.timeout_s
         self._lock = threading.Lock()
         keep = None if msg.keep is None else spi.policy_from_json(msg.keep)
-        self.tier = MirrorTier(source, msg.url, StoreOptions(**msg.options), keep, Emitter(msg.url, self._event),
-                               retry_s=msg.retry_s, progress=progress, on_state=lambda: self._update(None),
-                               gate=gate)
+        self.tier = make_tier(source, msg.url, StoreOptions(**msg.options), keep, Emitter(msg.url, self._event),
+                              rank=msg.rank, world_size=msg.world_size, rank_timeout=msg.rank_timeout,
+                              retry_s=msg.retry_s, progress=progress, on_state=lambda: self._update(None), gate=gate)
         self.tier.start()
 
     def submit(self, msg: P.MirrorSubmit) -> None:
@@ -189,7 +191,7 @@ class RemoteMirror:
     def _wait(self, done: Callable[[], bool], timeout: float, cuts: list[str] | None) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            self._ensure_writer()
+            self.ensure_writer()
             with self._cond:
                 if done():
                     return
@@ -198,7 +200,8 @@ class RemoteMirror:
                     raise self._timeout(timeout, cuts or self._pending())
                 self._cond.wait(min(left, 1.0))  # a second at most: a writer that died is started again
 
-    def _ensure_writer(self) -> None:
+    def ensure_writer(self) -> None:
+        """A writer process (so this tier) runs: one that died is started again."""
         with self._cond:
             writer = self._writer
         if writer is None or not writer.alive:
@@ -233,35 +236,90 @@ class RemoteMirror:
 
 
 def check_mirror_args(mirror: str | None, mirror_options: StoreOptions | None, options: Any, group: Any) -> None:
-    """The Checkpointer's mirror arguments make sense together (issue 21: world size 1 first)."""
+    """The Checkpointer's mirror arguments make sense together (issue 21; with ``group=`` every rank's
+    tier uploads its own files: ``mirror_ranks``)."""
     if mirror is None and (mirror_options is not None or options.mirror_keep is not None):
         raise UsageError("mirror_options and mirror_keep go with mirror=URL")
-    if mirror is not None and group is not None:
-        raise UsageError("a Checkpointer with group= cannot mirror yet: the mirror tier runs for one "
-                         "process only (issue 21 adds several ranks later)",
-                         hint="mirror the store after the run with `ckptstore mirror URL --to MIRROR`")
     if mirror is not None and options.mode == "process":
         # Before the store is opened: a refused setting must not leave it locked.
         open_message(mirror, mirror_options, options.mirror_keep, retry_s=options.mirror_retry_s,
                      timeout_s=options.mirror_timeout)
 
 
+class RankedMirror:
+    """The tier of one rank of a Checkpointer with ``group=`` (issue 21): this rank's tier (rank 0's
+    backlog, or a follower of its marks: ``mirror_ranks``), whose waits every rank takes together:
+    rank 0 alone knows when a cut is on the mirror, and posts it (``agreed_wait``)."""
+
+    def __init__(self, tier: MirrorTier | FollowerTier | RemoteMirror, ranks: Any,
+                 last_cut: Callable[[], str | None]) -> None:
+        """``last_cut``: the id of the last cut taken (the same on every rank), naming the close's wait."""
+        self.tier, self.url, self._ranks, self._last_cut = tier, tier.url, ranks, last_cut
+
+    @property
+    def gate(self) -> Gate | None:
+        """The tier's gate when it runs in this process (thread mode), else None."""
+        return None if isinstance(self.tier, RemoteMirror) else self.tier.gate
+
+    def start(self) -> None:
+        self.tier.start()
+
+    def attach(self, writer: Any) -> None:
+        if isinstance(self.tier, RemoteMirror):
+            self.tier.attach(writer)
+
+    def submit(self, info: CutInfo) -> None:
+        self.tier.submit(info)
+
+    def hold(self) -> Policy:
+        """What rank 0's local prune spares (only rank 0 prunes: issue 24's shared local store)."""
+        return self.tier.hold() if not isinstance(self.tier, FollowerTier) else Hold(frozenset())
+
+    def wait(self, cut: str, timeout: float) -> None:
+        """Every rank returns once ``cut`` is committed on the mirror, or raises what rank 0 raised."""
+        agreed_wait(self._ranks, f"mirror-wait/{cut}", lambda: self.tier.wait(cut, timeout),
+                    f"rank 0's wait for cut {cut} on the mirror", self.url, before=self._ensure)
+
+    def drain(self, timeout: float) -> None:
+        """Every rank returns once rank 0's backlog is done (this rank's tier serving it meanwhile), or
+        raises what rank 0 raised."""
+        agreed_wait(self._ranks, f"mirror-drain/{self._last_cut() or 'none'}", lambda: self.tier.drain(timeout),
+                    "rank 0's wait for the mirror's backlog", self.url, before=self._ensure)
+
+    def close(self) -> None:
+        self.tier.close()
+
+    def _ensure(self) -> None:
+        if isinstance(self.tier, RemoteMirror):
+            self.tier.ensure_writer()  # rank 0 may wait for this rank's part: its writer must run
+
+
 def start_tier(url: str, options: StoreOptions | None, o: Any, store: Any, events: Emitter,
-               pipeline: Any) -> MirrorTier | RemoteMirror:
+               pipeline: Any) -> MirrorTier | RemoteMirror | RankedMirror:
     """The Checkpointer's mirror tier (issue 21), attached to its commit pipeline and started: in
-    process mode the writer process uploads (niced, off the trainer's interpreter), else a thread here."""
-    tier: MirrorTier | RemoteMirror
+    process mode the writer process uploads (niced, off the trainer's interpreter), else a thread here;
+    with ``group=``, every rank's (``RankedMirror``)."""
+    ranks = store.ranks
+    tier: MirrorTier | FollowerTier | RemoteMirror
     if o.mode == "process":
-        msg = open_message(url, options, o.mirror_keep, retry_s=o.mirror_retry_s, timeout_s=o.mirror_timeout)
+        msg = open_message(url, options, o.mirror_keep, retry_s=o.mirror_retry_s, timeout_s=o.mirror_timeout,
+                           ranks=ranks)
         tier = RemoteMirror(url, msg, events, restart=pipeline.ensure_writer)
     else:
-        tier = MirrorTier(store.storage, url, options, o.mirror_keep, events, retry_s=o.mirror_retry_s,
-                          source_options=store.options)
-    pipeline.mirror = tier
-    tier.start()
-    return tier
+        where = {"rank": 0, "world_size": 1, "rank_timeout": 300.0} if ranks is None else {
+            "rank": ranks.rank, "world_size": ranks.size, "rank_timeout": ranks.rank_timeout}
+        tier = make_tier(store.storage, url, options, o.mirror_keep, events, retry_s=o.mirror_retry_s,
+                         source_options=store.options, **where)
+    out: Any = tier if ranks is None else RankedMirror(tier, ranks, lambda: _last_id(pipeline.cuts.current))
+    pipeline.mirror = out
+    out.start()
+    return out
+
+
+def _last_id(handle: Any) -> str | None:
+    return None if handle is None else handle.id
 
 
 _UNSEEN: dict[str, Any] = {"scanned": False, "waiting": [], "held": None, "last_error": None, "seq": 0}
 
-__all__ = ["RemoteMirror", "WorkerMirror", "check_mirror_args", "open_message", "start_tier"]
+__all__ = ["RankedMirror", "RemoteMirror", "WorkerMirror", "check_mirror_args", "open_message", "start_tier"]

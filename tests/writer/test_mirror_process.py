@@ -100,7 +100,9 @@ def test_a_mirror_that_is_down_costs_the_local_tier_at_most_what_mirror_keep_kee
         blocker.unlink()
         ck.cut(5, small_state(5), final=True)
     assert _steps(murl) == [4, 5]
-    assert set(_steps(url)) <= {4, 5}
+    # The last prune ran as cut 5 committed, with the writer's last word on what waits (3 and 4 then,
+    # both kept by mirror_keep among the waiting) and 5 not yet seen there: it may spare all three.
+    assert set(_steps(url)) <= {3, 4, 5}
     assert not [e for e in log.of("mirrored") if e["step"] < 3]
 
 

@@ -127,8 +127,10 @@ def test_a_mirror_timeout_is_a_named_error_and_everything_stays_committed_locall
     store.close()
 
 
-def test_a_group_checkpointer_cannot_mirror_yet_and_mirror_keep_needs_a_mirror(tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match="not|cannot mirror yet"):
+def test_a_group_checkpointer_with_a_mirror_needs_a_real_group_and_mirror_keep_needs_a_mirror(tmp_path: Path) -> None:
+    # A group= Checkpointer mirrors (issue 21, several ranks: tests/ranks/test_mirror_checkpointer.py);
+    # a group that is none is refused before anything is created.
+    with pytest.raises(UsageError, match="torch.distributed"):
         Checkpointer(str(tmp_path / "a"), mode="thread", mirror=str(tmp_path / "m"), group=object())
     with pytest.raises(UsageError, match="mirror="):
         Checkpointer(str(tmp_path / "a"), mode="thread", mirror_keep=ckptstore.KeepLast(1))
