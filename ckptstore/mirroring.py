@@ -27,7 +27,6 @@ the mirror's LATEST step lists ``cuts/`` once more, for another cut at its step 
 
 from __future__ import annotations
 
-import errno
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,6 +40,7 @@ from .latest import Pointer
 from .manifest import FileRecord, Manifest, TensorRecord
 from .paths import refuse_symlinked_cut
 from .pending import PendingCut
+from .pointed import parse_manifest, read_or_none
 from .shardread import read_shard_into
 from .storage import Storage
 from .store import Store, core_of
@@ -156,11 +156,11 @@ def source_manifest(s: StoreCore, cut: str) -> SourceCut:
     refuse_symlinked_cut(s.storage, cut)
     pointer = _pointer(s.storage, s.url)
     rel = layout.manifest_path(cut)
-    data = _read_or_none(s.storage, rel)
+    data = read_or_none(s.storage, rel)
     if data is None or not _unmarked_or_latest(s.storage, cut, pointer):
         raise CutNotFound(f"cut {cut} is not committed in {s.url}", store=s.url, cut=cut, path=rel)
     try:
-        m = _parse(s.url, cut, data)
+        m = parse_manifest(s.url, cut, data)
     except DataError as exc:  # a damaged manifest commits nothing (the classification's word, as before)
         raise CutNotFound(f"cut {cut} is not committed in {s.url}: its manifest is damaged ({exc.message})",
                           store=s.url, cut=cut, path=rel) from exc
@@ -176,7 +176,7 @@ def on_mirror(s: StoreCore, d: StoreCore, m: Manifest, data: bytes) -> CutInfo |
     refuse_symlinked_cut(d.storage, m.cut)
     pointer = _pointer(d.storage, d.url)
     rel = layout.manifest_path(m.cut)
-    have = _read_or_none(d.storage, rel)
+    have = read_or_none(d.storage, rel)
     if have is not None and _committed(d, m.cut, have, pointer):
         if have == data:
             return CutInfo.from_manifest(m, marked_final=not m.final and d.storage.exists(layout.final_path(m.cut)))
@@ -201,7 +201,7 @@ def _other_at_step(d: StoreCore, m: Manifest, pointer: Pointer | None) -> str | 
     for e in d.storage.list_dir(layout.CUTS_DIR):
         if not (e.is_dir and e.name != m.cut and layout.is_cut_id(e.name) and layout.step_of_cut_id(e.name) == m.step):
             continue
-        body = _read_or_none(d.storage, layout.manifest_path(e.name))
+        body = read_or_none(d.storage, layout.manifest_path(e.name))
         if body is not None and _committed(d, e.name, body, pointer):
             return e.name
     return None
@@ -212,7 +212,7 @@ def _committed(d: StoreCore, cut: str, body: bytes, pointer: Pointer | None) -> 
     valid (a damaged one commits nothing: the copy writes over it, as before) and the cut unmarked
     or LATEST's."""
     try:
-        _parse(d.url, cut, body)
+        parse_manifest(d.url, cut, body)
     except DataError:
         return False
     return _unmarked_or_latest(d.storage, cut, pointer)
@@ -227,32 +227,11 @@ def _unmarked_or_latest(storage: Storage, cut: str, pointer: Pointer | None) -> 
 def _pointer(storage: Storage, url: str) -> Pointer | None:
     """LATEST as it is now; None when absent or damaged (then it names no cut, and rules out no
     conflict: ``_other_at_step`` lists)."""
-    data = _read_or_none(storage, layout.LATEST_FILE)
+    data = read_or_none(storage, layout.LATEST_FILE)
     try:
         return None if data is None else Pointer.from_bytes(data, store=url, path=layout.LATEST_FILE)
     except DataError:
         return None
-
-
-def _parse(url: str, cut: str, body: bytes) -> Manifest:
-    rel = layout.manifest_path(cut)
-    m = Manifest.from_bytes(body, store=url, cut=cut, path=rel)
-    if m.cut != cut:
-        raise DataError(f"manifest names cut {m.cut!r} but lives in {cut!r}", store=url, cut=cut, path=rel)
-    return m
-
-
-def _read_or_none(storage: Storage, rel: str) -> bytes | None:
-    """One small file's bytes; None when absent. Any other error is raised: "cannot tell" never reads
-    as "absent"."""
-    try:
-        return storage.read_bytes(rel)
-    except FileNotFoundError:
-        return None
-    except StorageError as exc:
-        if exc.errno == errno.ENOENT:
-            return None
-        raise
 
 
 def _copy_cut(s: StoreCore, d: StoreCore, m: Manifest, data: bytes, progress: Progress | None) -> CutInfo:

@@ -30,18 +30,18 @@ it (issue 24). Local tiers of a directory per node are a later part of issue 21.
 
 from __future__ import annotations
 
-import errno
 import time
 from typing import Callable
 
 from . import cutting, labeling, layout
 from .core import StoreCore
-from .errors import CutNotFound, DataError, RankFailure, StorageError, UsageError
+from .errors import CutNotFound, DataError, RankFailure, UsageError
 from .info import CutInfo
 from .intent import CutIntent
 from .manifest import Manifest, TensorRecord
 from .mirroring import MirrorConflict, Progress, copy_file, on_mirror, source_damage, source_manifest
 from .pending import PendingCut
+from .pointed import read_or_none
 from .ranks import DEFAULT_RANK_TIMEOUT
 from .store import Store, core_of
 from .tree import has_pickle
@@ -113,7 +113,7 @@ def _named_source(s: StoreCore, cut: str) -> tuple[bytes, Manifest]:
     nothing: issue 24); it takes the caller's word that the cut is committed, and rank 0 checks it."""
     layout.check_cut_id(cut, store=s.url)
     rel = layout.manifest_path(cut)
-    data = _read_or_none(s, rel)
+    data = read_or_none(s.storage, rel)
     if data is None:
         raise CutNotFound(f"cut {cut} is not committed in {s.url}", store=s.url, cut=cut, path=rel)
     return data, Manifest.from_bytes(data, store=s.url, cut=cut, path=rel)
@@ -129,7 +129,7 @@ def _check_rank(d: StoreCore, m: Manifest, rank: int) -> None:
 def _mirrored(d: StoreCore, m: Manifest, data: bytes) -> bool:
     """Whether the mirror holds this cut's manifest bytes already (read by name: no listing). Other
     bytes under its id are a ``MirrorConflict`` (rank 0's check by listing says the same)."""
-    have = _read_or_none(d, layout.manifest_path(m.cut))
+    have = read_or_none(d.storage, layout.manifest_path(m.cut))
     if have is None:
         return False
     if have != data:
@@ -213,19 +213,6 @@ def _await(done: Callable[[], bool], rank_timeout: float, failure: Callable[[], 
             raise failure()
         time.sleep(delay)
         delay = min(delay * 2, 0.2)
-
-
-def _read_or_none(core: StoreCore, rel: str) -> bytes | None:
-    """A small file's bytes; None when absent. Any other error is raised: "cannot tell" never reads as
-    "absent"."""
-    try:
-        return core.storage.read_bytes(rel)
-    except FileNotFoundError:
-        return None
-    except StorageError as exc:
-        if exc.errno == errno.ENOENT:
-            return None
-        raise
 
 
 __all__ = ["MODE", "mirror_rank"]

@@ -25,7 +25,7 @@ def pointed_manifest(storage: Storage, url: str) -> Manifest | None:
     where = {"store": url, "path": layout.LATEST_FILE}
     hint = f"run `ckptstore repair {url}`"
     for _ in range(MAX_RESCANS):
-        data = _read_or_none(storage, layout.LATEST_FILE)
+        data = read_or_none(storage, layout.LATEST_FILE)
         if data is None:
             return None
         try:
@@ -34,13 +34,13 @@ def pointed_manifest(storage: Storage, url: str) -> Manifest | None:
             raise LatestError(f"LATEST is unreadable: {exc.message}", hint=hint, **where) from exc
         refuse_symlinked_cut(storage, pointer.cut)
         mpath = layout.manifest_path(pointer.cut)
-        body = _read_or_none(storage, mpath)
+        body = read_or_none(storage, mpath)
         if body is None:
-            if _read_or_none(storage, layout.LATEST_FILE) != data:
+            if read_or_none(storage, layout.LATEST_FILE) != data:
                 continue  # LATEST moved on and a prune took the cut it named meanwhile: read again
             raise LatestError(f"LATEST names {pointer.cut}, which is not a committed cut", hint=hint, **where)
         try:
-            m = _parse_manifest(url, pointer.cut, body)
+            m = parse_manifest(url, pointer.cut, body)
         except DataError as exc:
             raise LatestError(f"LATEST names {pointer.cut}, whose manifest is damaged ({mpath}: {exc.message})",
                               hint=hint, **where) from exc
@@ -55,13 +55,13 @@ def named_manifest(storage: Storage, url: str, cut: str) -> Manifest:
     (restore's choice), read as one object: the rank takes rank 0's word for it (issue 24)."""
     layout.check_cut_id(cut, store=url)
     refuse_symlinked_cut(storage, cut)
-    body = _read_or_none(storage, layout.manifest_path(cut))
+    body = read_or_none(storage, layout.manifest_path(cut))
     if body is None:
         raise CutNotFound("no such committed cut (removed since rank 0 chose it)", store=url, cut=cut)
-    return _parse_manifest(url, cut, body)
+    return parse_manifest(url, cut, body)
 
 
-def _parse_manifest(url: str, cut: str, body: bytes) -> Manifest:
+def parse_manifest(url: str, cut: str, body: bytes) -> Manifest:
     mpath = layout.manifest_path(cut)
     m = Manifest.from_bytes(body, cut=cut, path=mpath, store=url)
     if m.cut != cut:
@@ -69,7 +69,7 @@ def _parse_manifest(url: str, cut: str, body: bytes) -> Manifest:
     return m
 
 
-def _read_or_none(storage: Storage, rel: str) -> bytes | None:
+def read_or_none(storage: Storage, rel: str) -> bytes | None:
     """The bytes of one of the store's small files; None when it is absent. Any other error is raised:
     "cannot tell" never reads as "absent"."""
     try:
@@ -82,4 +82,4 @@ def _read_or_none(storage: Storage, rel: str) -> bytes | None:
         raise
 
 
-__all__ = ["named_manifest", "pointed_manifest"]
+__all__ = ["parse_manifest", "read_or_none", "named_manifest", "pointed_manifest"]

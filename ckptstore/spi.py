@@ -59,6 +59,7 @@ from .protocol import CommitProtocol
 from .ranks import RankFailure, RankGroup, check_all_ok, check_same, outcome
 from .rescue import ensure_marked, finish_orphaned_cut
 from .retention import Policy, policy_from_json, policy_to_json
+from .pointed import read_or_none
 from .shards import check_header_matches, read_header, read_shard_into, read_tensor_range, write_shards
 from .storage import Storage, StorageSpec, open_spec
 from .tree import Leaf, flatten, has_pickle, unflatten
@@ -123,7 +124,7 @@ __all__ = [
     # a cut's records
     "CutIntent", "PendingCut", "RankPart", "ShardSpec", "CutInfo", "FileRecord", "Manifest", "TensorRecord",
     "AttachedFile", "FilesArg", "Source", "open_sources", "close_sources", "Policy", "policy_from_json",
-    "policy_to_json",
+    "policy_to_json", "read_or_none",
     # the state tree and its arrays
     "Leaf", "flatten", "unflatten", "has_pickle", "ArrayItem", "describe", "empty_for", "torch_dtype_name",
     "TORCH_DTYPES",

@@ -214,19 +214,19 @@ class MirrorTier:
                 except Exception as exc:  # noqa: BLE001 - the rescan failed: reported, retried
                     self._failed(None, exc, retry=True)
                     self.rescan()
-                    _close_both(stores)
+                    close_both(stores)
                     stores = None
                     self._back_off()
                     continue
                 if info is None:
                     return
                 if not self._upload(*stores, info):
-                    _close_both(stores)
+                    close_both(stores)
                     stores = None  # opened again: its recovery removes what the failed copy left
                     self._back_off()
         finally:
             if stores is not None:
-                _close_both(stores)
+                close_both(stores)
             with self._cond:
                 self._uploading = None
                 self._cond.notify_all()
@@ -250,7 +250,7 @@ class MirrorTier:
                     self._scan(reader, mirror)
                 return reader, mirror
             except Exception as exc:  # noqa: BLE001 - reported, retried
-                _close_both((reader, mirror))
+                close_both((reader, mirror))
                 self._failed(None, exc, retry=True)
                 self._back_off()
         return None
@@ -387,7 +387,7 @@ class MirrorTier:
                 self._cond.wait(deadline - time.monotonic())
 
 
-def _close_both(stores: tuple[Store, Store]) -> None:
+def close_both(stores: tuple[Store, Store]) -> None:
     for store in stores:
         try:
             store.close()
@@ -395,4 +395,4 @@ def _close_both(stores: tuple[Store, Store]) -> None:
             pass
 
 
-__all__ = ["Hold", "MirrorTier", "MirrorTimeout"]
+__all__ = ["Hold", "MirrorTier", "MirrorTimeout", "close_both"]

@@ -22,19 +22,18 @@ own files of each cut committed locally, rank 0 commits the mirror's cut (``spi.
 
 from __future__ import annotations
 
-import errno
 import threading
 import time
 from typing import Any, Callable
 
 from ckptstore import CutInfo, Store, StoreNotFound, StoreOptions
 from ckptstore import spi
-from ckptstore.errors import CutNotFound, DataError, RankFailure, StorageError, UsageError
+from ckptstore.errors import CutNotFound, DataError, RankFailure, UsageError
 from ckptstore.spi import Emitter, MirrorConflict, Policy, RankGroup, Storage, layout, outcome
 
 from .errors import WriterError
 from .gate import Gate
-from .mirror import JOIN_S, RETRY_MAX_S, MirrorTier, MirrorTimeout
+from .mirror import JOIN_S, RETRY_MAX_S, MirrorTier, MirrorTimeout, close_both
 
 #: Between two looks at the mirror's marks while none is there, at most (and at most a tenth of
 #: ``rank_timeout``, which rank 0 waits for a rank's record): one listing a second per rank on S3.
@@ -124,14 +123,14 @@ class FollowerTier:
                     marked = self._serve_marks(*stores)
                 except Exception as exc:  # noqa: BLE001 - the mirror failed: reported, looked at again
                     self._failed(None, exc)
-                    _close_both(stores)
+                    close_both(stores)
                     stores = None
                     self._pause(self._delay())
                     continue
                 self._pause(0.02 if marked else self._poll_s)
         finally:
             if stores is not None:
-                _close_both(stores)
+                close_both(stores)
 
     def _connect(self) -> tuple[Store, Store] | None:
         """A reader of the local tier and a participant of the mirror (no lock, no recovery: rank 0's
@@ -157,7 +156,7 @@ class FollowerTier:
         cuts = sorted(e.name[:-len(".json")] for e in mirror.storage.list_dir(layout.MARKS_DIR)
                       if not e.is_dir and e.name.endswith(".json") and layout.is_cut_id(e.name[:-len(".json")]))
         for cut in cuts:
-            mark = _read_or_none(mirror.storage, layout.mark_path(cut))
+            mark = spi.read_or_none(mirror.storage, layout.mark_path(cut))
             if mark is None or (cut, mark) in self._served:
                 continue  # committed or abandoned meanwhile, or served already
             self._serve(reader, mirror, cut)
@@ -168,7 +167,7 @@ class FollowerTier:
         """This rank's files and record of ``cut``, when it is a local cut of the job's world size; a
         failure that another try cannot mend is reported and the cut left to rank 0 (it abandons it)."""
         try:
-            data = _read_or_none(reader.storage, layout.manifest_path(cut))
+            data = spi.read_or_none(reader.storage, layout.manifest_path(cut))
             if data is None:
                 return  # not committed locally (pruned: rank 0 gave it up): not this rank's to serve
             m = spi.Manifest.from_bytes(data, store=reader.url, cut=cut, path=layout.manifest_path(cut))
@@ -232,26 +231,6 @@ def agreed_wait(ranks: RankGroup, key: str, wait: Callable[[], None], what: str,
         cls = MirrorTimeout if got.get("type") == "MirrorTimeout" else WriterError
         raise cls(f"rank 0: {got['error']}", store=url, hint="every cut stays committed locally; the next "
                   "Checkpointer open uploads what the mirror lacks")
-
-
-def _read_or_none(storage: Storage, rel: str) -> bytes | None:
-    """A small file's bytes; None when absent ("cannot tell" is raised, never read as "absent")."""
-    try:
-        return storage.read_bytes(rel)
-    except FileNotFoundError:
-        return None
-    except StorageError as exc:
-        if exc.errno == errno.ENOENT:
-            return None
-        raise
-
-
-def _close_both(stores: tuple[Store, Store]) -> None:
-    for store in stores:
-        try:
-            store.close()
-        except Exception:  # noqa: BLE001 - a handle that cannot close releases nothing more
-            pass
 
 
 __all__ = ["FollowerTier", "POLL_S", "agreed_wait", "make_tier", "rank0_upload"]
