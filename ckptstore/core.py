@@ -115,7 +115,7 @@ class StoreCore:
         # LATEST and the manifest it names, two reads, checked as the classification checks them; only
         # a store without LATEST is classified (issue 24: every save listed the whole store and read
         # every manifest, O(cuts) requests per save on an object store).
-        latest = pointed_manifest(self.storage, self.url)
+        latest = pointed_manifest(self.storage, self.url, known=self.protocol.last_written)
         if latest is None:
             latest = latest_manifest(self.classify(), self.url)
         if latest is not None and step <= latest.step:

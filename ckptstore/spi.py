@@ -48,6 +48,7 @@ from .intent import CutIntent, ShardSpec
 from .kinds import StrKind
 from .lock import InheritedLock
 from .manifest import FileRecord, Manifest, TensorRecord
+from .records import TensorColumns
 from .metachecks import NoticeKind
 from .metachecks import register as register_metadata_check
 from .mirroring import MirrorConflict, MirrorReport, mirror_cut, mirror_missing, missing
@@ -122,7 +123,7 @@ __all__ = [
     "classify", "lock_handoff", "open_participant", "point_latest", "rank_part", "record_bad", "shard_codec",
     "shard_spec",
     # a cut's records
-    "CutIntent", "PendingCut", "RankPart", "ShardSpec", "CutInfo", "FileRecord", "Manifest", "TensorRecord",
+    "CutIntent", "PendingCut", "RankPart", "ShardSpec", "CutInfo", "FileRecord", "Manifest", "TensorRecord", "TensorColumns",
     "AttachedFile", "FilesArg", "Source", "open_sources", "close_sources", "Policy", "policy_from_json",
     "policy_to_json", "read_or_none",
     # the state tree and its arrays

@@ -18,18 +18,52 @@ import select
 import socket
 import struct
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, PlainSerializer, PlainValidator, TypeAdapter
 
 from ckptstore.errors import CkptStoreError, wire_form
 from ckptstore.spi import CutIntent, ShardSpec
-from ckptstore.spi import FileRecord, TensorRecord
+from ckptstore.spi import FileRecord, TensorColumns
 from ckptstore.spi import StrictModel
 
 from .plan import Slot
 
 MAX_FRAME = 256 << 20
+
+_SLOT_FIELDS = ("name", "kind", "dtype", "shape", "nbytes", "offset")
+
+
+def _slots_to_columns(slots: list[Slot]) -> dict[str, list[Any]]:
+    """A request's slots as one list per field: 40,000 slots as 40,000 pydantic-validated dataclasses
+    cost the writer about 1 s per cut to parse (issue 23); as columns, a few C-level passes."""
+    cols: list[Any] = list(zip(*[(s.name, s.kind, s.dtype, s.shape, s.nbytes, s.offset) for s in slots])) or [()] * 6
+    return {k: list(c) for k, c in zip(_SLOT_FIELDS, cols)}
+
+
+def _is_size(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _columns_to_slots(value: Any) -> list[Slot]:
+    """The slots of the column form, checked as strictly as the dataclass form was (types, sizes)."""
+    if type(value) is list and all(type(s) is Slot for s in value):
+        return value
+    if type(value) is not dict or value.keys() != set(_SLOT_FIELDS) or \
+            not all(type(value[k]) is list for k in _SLOT_FIELDS):
+        raise ValueError(f"slots must be an object of the lists {list(_SLOT_FIELDS)}")
+    names, kinds, dtypes, shapes, nbytes, offsets = (value[k] for k in _SLOT_FIELDS)
+    if len({len(c) for c in (names, kinds, dtypes, shapes, nbytes, offsets)}) != 1:
+        raise ValueError("slots: every list must have one entry per slot")
+    if not (all(type(n) is str for n in names) and all(k in ("torch", "numpy") for k in kinds)
+            and all(type(d) is str for d in dtypes) and all(_is_size(n) for n in nbytes)
+            and all(_is_size(o) for o in offsets)
+            and all(type(sh) is list and all(_is_size(d) for d in sh) for sh in shapes)):
+        raise ValueError("slots: a name, kind, dtype, shape, size or offset has the wrong type")
+    return [Slot(n, k, d, tuple(sh), b, o) for n, k, d, sh, b, o in zip(names, kinds, dtypes, shapes, nbytes, offsets)]
+
+
+SlotColumns = Annotated[list[Slot], PlainValidator(_columns_to_slots), PlainSerializer(_slots_to_columns, return_type=dict)]
 
 
 class Hello(StrictModel):
@@ -71,7 +105,7 @@ class WriteRequest(StrictModel):
     step: int
     block: str
     block_size: int
-    slots: list[Slot]
+    slots: SlotColumns
     shards: ShardSpec
     rank: int = 0
     finish: Finish | None = None
@@ -107,7 +141,7 @@ class WriteDone(StrictModel):
     kind: Literal["done"] = "done"
     cut: str
     files: list[FileRecord]
-    tensors: list[TensorRecord]
+    tensors: TensorColumns  # one list per field (ckptstore.records): 40,000 records parse in bulk
     timings: dict[str, float]
 
 
@@ -178,7 +212,9 @@ class Shutdown(StrictModel):
 
 Message = Union[Hello, OpenStore, WriteRequest, Marked, CutEnded, Progress, WriteDone, WriteFailed, MirrorOpen,
                 MirrorSubmit, MirrorUpdate, Shutdown]
-_ADAPTER: TypeAdapter[Any] = TypeAdapter(Message)
+#: Discriminated by ``kind``: pydantic goes straight to the one model (an undiscriminated union tried
+#: the models in turn, 0.7 s for a request of 40,000 arrays where the JSON parses in 0.1 s: issue 23).
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(Annotated[Message, Field(discriminator="kind")])
 
 
 class ChannelClosed(EOFError):
