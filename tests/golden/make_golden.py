@@ -21,9 +21,12 @@ multiples, a zero-size one, a dtype safetensors cannot name, numpy arrays and pl
 History:
 - ``v1/`` was written by this script running against commit 573d0f6 (format_version 1: a file's
   ``blake3`` is the plain blake3 of its bytes), extracted with ``git archive`` and put first on
-  PYTHONPATH. It can no longer be regenerated: today's code writes format_version 2 only. Keep its
+  PYTHONPATH. It can no longer be regenerated: today's code writes format_version 4 only. Keep its
   bytes exactly as they are; it is what old stores on disk look like.
-- ``v2/`` is written by this script with the current code (format_version 2, docs/format.md).
+- ``v2/`` was written by this script up to commit 549261a (format_version 2: tensors as rows). It can
+  no longer be regenerated either (today's code writes format_version 4); keep its bytes as they are.
+- ``v4/`` is written by this script with the current code (format_version 4: tensors as one table,
+  docs/format.md; its shards are v2's byte for byte, tests/store/test_golden.py checks it).
 
 ``golden_states()`` must never change: the v1 store was written from it and the tests compare
 against it.

@@ -68,7 +68,7 @@ def assert_same(got: Any, want: Any, where: str = "state") -> None:
         assert got == want, where
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 4])
 def test_golden_store_verifies_and_loads(tmp_path: Path, version: int) -> None:
     url = _copy(version, tmp_path)
     with Store.open(url, readonly=True) as ro:
@@ -94,14 +94,14 @@ def test_v1_golden_keeps_plain_file_hashes(tmp_path: Path) -> None:
         assert f["blake3"] == f["raw_blake3"] == blake3(data).hexdigest()
 
 
-def test_v2_golden_bytes_do_not_drift(tmp_path: Path) -> None:
+def test_v4_golden_bytes_do_not_drift(tmp_path: Path) -> None:
     """The same states with the same identity give byte-identical shards, manifests and LATEST to the
-    checked-in v2 store. A zstd shard's compressed bytes are only compared under the zstandard release
+    checked-in v4 store (the version written today; v2 was, up to issue 23). A zstd shard's compressed bytes are only compared under the zstandard release
     the golden was made with (zstd may compress differently without any format change); its decoded
     bytes always are."""
     fresh = tmp_path / "fresh"
-    assert make_golden.build_store(str(fresh)) == 2
-    golden = GOLDEN / "v2"
+    assert make_golden.build_store(str(fresh)) == 4
+    golden = GOLDEN / "v4"
     files = sorted(p.relative_to(golden) for p in golden.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file())
     same_zstd = zstandard.__version__ == make_golden.ZSTANDARD_VERSION
@@ -109,7 +109,7 @@ def test_v2_golden_bytes_do_not_drift(tmp_path: Path) -> None:
         a, b = (golden / rel).read_bytes(), (fresh / rel).read_bytes()
         in_zstd_cut = CUT8 in str(rel) or str(rel) == "LATEST"
         if same_zstd or not in_zstd_cut:
-            assert a == b, f"{rel} drifted from the checked-in v2 golden"
+            assert a == b, f"{rel} drifted from the checked-in v4 golden"
         elif str(rel).endswith(".zst"):
             dec = zstandard.ZstdDecompressor()
             assert dec.stream_reader(a).read() == dec.stream_reader(b).read(), rel
@@ -119,6 +119,34 @@ def test_v2_golden_bytes_do_not_drift(tmp_path: Path) -> None:
                 for f in m["files"]:
                     del f["nbytes"], f["blake3"]  # the compressed bytes' size and digest
             assert ma == mb, rel
+
+
+def test_the_v4_golden_is_the_v2_golden_with_its_arrays_as_a_table() -> None:
+    """Version 4 changed the manifest's tensor list only: the same states give the same shard bytes
+    and the same records (hex digests, sizes, offsets), the table holding exactly the rows' values."""
+    from ckptstore.manifest import Manifest
+
+    for cut in (CUT7, CUT8):
+        v2, v4 = (GOLDEN / f"v{v}" / "cuts" / cut for v in (2, 4))
+        assert sorted(p.name for p in v2.iterdir()) == sorted(p.name for p in v4.iterdir())
+        for p in v2.iterdir():
+            if p.name != "MANIFEST.json" and (zstandard.__version__ == make_golden.ZSTANDARD_VERSION
+                                              or not p.name.endswith(".zst")):
+                assert p.read_bytes() == (v4 / p.name).read_bytes(), p.name
+        d2, d4 = (json.loads((d / "MANIFEST.json").read_bytes()) for d in (v2, v4))
+        assert (d2["format_version"], d4["format_version"]) == (2, 4)
+        assert {k: v for k, v in d2.items() if k not in ("format_version", "tensors", "files")} == \
+            {k: v for k, v in d4.items() if k not in ("format_version", "tensors", "files")}
+        table = d4["tensors"]
+        assert table["name"] == [t["name"] for t in d2["tensors"]]
+        assert table["shape"] == [t["shape"] for t in d2["tensors"]]
+        assert table["offset"] == [t["offset"] for t in d2["tensors"]]
+        assert [table["dtypes"][i] for i in table["dtype"]] == [[t["kind"], t["dtype"]] for t in d2["tensors"]]
+        assert [d4["files"][i]["name"] for i in table["file"]] == [t["file"] for t in d2["tensors"]]
+        assert __import__("base64").b64decode(table["blake3"]).hex() == "".join(t["blake3"] for t in d2["tensors"])
+        if zstandard.__version__ == make_golden.ZSTANDARD_VERSION:
+            m2, m4 = (Manifest.from_bytes((d / "MANIFEST.json").read_bytes()) for d in (v2, v4))
+            assert m2.tensors == m4.tensors and m2.files == m4.files
 
 
 def test_docs_reference_code_computes_the_v2_file_digests() -> None:
@@ -229,11 +257,11 @@ def test_v1_and_v2_cuts_in_one_store(tmp_path: Path) -> None:
     state = {"w": torch.arange(5000, dtype=torch.float32), "odd": torch.ones(3, dtype=torch.int8), "step": 9}
     with Store.open(url) as w:
         info = w.save(state, step=9)
-        assert w.manifest(info.id).format_version == 2
+        assert w.manifest(info.id).format_version == 4
         report = w.verify()
         assert report.ok and report.cuts_checked == [CUT7, CUT8, info.id], report.findings
     with Store.open(url, readonly=True) as ro:
-        assert [ro.manifest(c).format_version for c in (CUT7, CUT8, info.id)] == [1, 1, 2]
+        assert [ro.manifest(c).format_version for c in (CUT7, CUT8, info.id)] == [1, 1, 4]
     states = make_golden.golden_states()
     assert_same(ckptstore.load(url, cut=7), states[7])
     assert_same(ckptstore.load(url, cut=8), states[8])
