@@ -46,8 +46,26 @@ from .invariant import _equal
 # states and template stores
 
 
+#: Steps whose state has many small arrays (issue 23: the bulk paths of the shard writer, the manifest
+#: table and the loader, under the same faults as every other save).
+MANY_STEPS = range(11, 16)
+MANY = 600
+
+
+def many_state(step: int) -> dict[str, Any]:
+    """MANY small arrays of mixed dtypes and sizes (odd, zero-size, 0-d, numpy): 150 KB, three shards of 64 KiB."""
+    g = torch.Generator().manual_seed(step)
+    dtypes = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
+    layers = {f"l{i:03d}": torch.randn(i % 7 + (i % 3) * 64, generator=g).to(dtypes[i % 4]) for i in range(MANY)}
+    return {"layers": layers, "empty": torch.zeros(0, 3), "scalar": torch.tensor(float(step)),
+            "np": np.arange(step, dtype=np.int16), "step": step}
+
+
 def state(step: int) -> dict[str, Any]:
-    """A tiny state: two torch tensors (one bfloat16), a numpy array and python scalars."""
+    """A tiny state: two torch tensors (one bfloat16), a numpy array and python scalars (MANY_STEPS:
+    :func:`many_state`)."""
+    if step in MANY_STEPS:
+        return many_state(step)
     g = torch.Generator().manual_seed(step)
     return {
         "model": {"w": torch.randn(4, 8, generator=g), "b": torch.full((3,), float(step), dtype=torch.bfloat16)},
@@ -188,6 +206,7 @@ BUILDERS: dict[str, Callable[[str], Template]] = {
     "no-latest": _build_no_latest,
     "leftovers": _build_leftovers,
     "files-1-2": _build_with_files,
+    "many-11-12": _build_plain([11, 12]),
 }
 
 
@@ -329,6 +348,25 @@ def op_load_readonly(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
     return out
 
 
+def op_save_many(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
+    """save(step=13) of many small arrays in three shards under the fault; then, without faults, 14, 15."""
+    out = Outcome(expect=dict(tpl.cuts))
+    storage = _faulty(root, plan)
+    store = Store.open(storage, options=ckptstore.StoreOptions(max_shard_bytes=64 << 10))
+    try:
+        _under_fault(storage, out, lambda: store.save(state(13), step=13))
+        if out.error is None:
+            out.expect[13] = out.result.id
+        for step in (14, 15):
+            try:
+                out.expect[step] = store.save(state(step), step=step).id
+            except Exception as exc:  # noqa: BLE001
+                out.problems.append(f"save(step={step}) without faults after the fault failed: {normalize(repr(exc))}")
+    finally:
+        store.close()
+    return out
+
+
 def op_save_files(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
     """save(step=3, files=...) under the fault: a cut with attached files commits whole or not at all."""
     out = Outcome(expect=dict(tpl.cuts))
@@ -371,6 +409,7 @@ def op_restore_files(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
 
 OPS: dict[str, tuple[Callable[[str, Template, FaultPlan], Outcome], str]] = {
     "save": (op_save, "cuts-1-2"),
+    "save-many": (op_save_many, "many-11-12"),
     "prune": (op_prune, "cuts-1-5"),
     "gc": (op_gc, "leftovers"),
     "open": (op_open, "leftovers"),
