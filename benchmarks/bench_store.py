@@ -160,6 +160,8 @@ class Bench:
         self.foreign: list[float] = []
         self.store_timings: list[dict[str, float]] = []
         self.async_blocking: list[float] = []
+        # run() turns it off for its warm-up round; set here so bench_many can call the save methods alone.
+        self._recording = True
 
     # ---------------------------------------------------------------------------------------- saves
     def _dir(self, rep: str, name: str) -> str:

@@ -1,7 +1,8 @@
 """The physical floors both benchmarks judge against, measured in the same run on the state's own bytes.
 
 * **memcpy**: ``copy_`` of every tensor into one prefaulted, page-aligned anonymous mapping, each tensor in
-  a 4 KiB-aligned slot (the layout of the writer's shared block). What a capture cannot beat.
+  a 4 KiB-aligned slot (the layout of the writer's shared block). What a capture cannot beat. For many
+  small tensors, the same copy as one ``torch._foreach_copy_`` (bench_many.py's stall floor).
 * **blake3**: one bare pass over those bytes in memory, 1 thread (what the writer process hashes with by
   default) or blake3's AUTO pool. Its CPU seconds per GiB are the floor of the writer's CPU per GiB.
 * **disk**: those same bytes written with O_DIRECT straight from the page-aligned mapping (8 MiB
@@ -74,6 +75,16 @@ class AlignedImage:
         t0 = time.perf_counter()
         for v, t in zip(self._views, self.tensors):
             v.copy_(t)
+        return Timed(self.payload, time.perf_counter() - t0)
+
+    def foreach_copy_in(self) -> Timed:
+        """The same copy as one ``torch._foreach_copy_`` call (issue 23's stall floor): the per-tensor
+        Python loop of :meth:`copy_in` costs microseconds a tensor, which is what a state of tens of
+        thousands of small tensors measures, not the memory bandwidth."""
+        import torch
+
+        t0 = time.perf_counter()
+        torch._foreach_copy_(self._views, self.tensors)
         return Timed(self.payload, time.perf_counter() - t0)
 
     def close(self) -> None:

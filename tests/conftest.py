@@ -10,6 +10,17 @@ import uuid  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` run only when ``-m`` names them (``bash scripts/test.sh -m slow``): the
+    suite stays within its 15 minutes on 2 cores."""
+    if "slow" in (config.getoption("markexpr", default="") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3-compatible server (moto's server mode) on 127.0.0.1, with a bucket "ckpt"."""
