@@ -85,7 +85,7 @@ STORE_PROPERTIES = ["events", "mirror", "options", "ranks", "readonly", "recover
 EXPECTED_SPI = [
     "classify", "lock_handoff", "open_participant", "point_latest", "rank_part", "record_bad", "shard_codec",
     "shard_spec", "CutIntent", "PendingCut", "RankPart", "ShardSpec", "CutInfo", "FileRecord", "Manifest",
-    "TensorRecord", "AttachedFile", "FilesArg", "Source", "open_sources", "close_sources", "Policy",
+    "TensorRecord", "TensorColumns", "AttachedFile", "FilesArg", "Source", "open_sources", "close_sources", "Policy",
     "policy_from_json", "policy_to_json", "read_or_none", "Leaf",
     "flatten", "unflatten", "has_pickle", "ArrayItem", "describe", "empty_for", "torch_dtype_name",
     "TORCH_DTYPES", "write_shards", "read_header", "read_shard_into", "read_tensor_range",
