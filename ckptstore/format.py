@@ -18,12 +18,13 @@ are already battle-tested against hostile files. See docs/format.md.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from .errors import CorruptCut, HostileInput, TruncatedFile
 
@@ -116,13 +117,20 @@ ST_ITEMSIZE = {
 
 def header_dtype(kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[str, list[int]]:
     """The (safetensors dtype, shape) a shard header records for a tensor or array."""
+    st, as_bytes = header_dtype_rule(kind, dtype)
+    return (st, [nbytes]) if as_bytes else (st, list(shape))
+
+
+def header_dtype_rule(kind: str, dtype: str) -> tuple[str, bool]:
+    """The safetensors dtype a shard header records for arrays of ``kind`` and ``dtype``, and whether
+    their shape is recorded as ``[nbytes]`` (a dtype safetensors has no name for, stored as U8 bytes)."""
     if kind == "torch":
         st = TORCH_DTYPES[dtype][0]
     else:
         st = _NUMPY_TO_ST.get(dtype, "U8")
     if st == "U8" and not (kind == "torch" and dtype == "uint8") and not (kind == "numpy" and dtype == "|u1"):
-        return "U8", [nbytes]
-    return st, list(shape)
+        return "U8", True
+    return st, False
 
 
 class HeaderEntry(NamedTuple):
@@ -151,21 +159,70 @@ class ShardHeader:
 
 def encode_header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, str] | None = None) -> bytes:
     """The header bytes (length prefix included) for tensors ``(name, st_dtype, shape, nbytes)`` laid
-    out contiguously in the given order."""
-    header: dict[str, Any] = {
-        "__metadata__": {"format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION, **(metadata or {})}
-    }
-    offset = 0
-    for name, st_dtype, shape, nbytes in entries:
-        if name == "__metadata__" or name in header:
-            raise ValueError(f"duplicate or reserved tensor name {name!r}")
-        header[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    body = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
+    out contiguously in the given order: ``json.dumps`` of the header object, compact and ASCII-only,
+    space-padded so the data section starts on a ``DATA_ALIGN`` boundary."""
+    names, st_dtypes, shapes, sizes = zip(*entries) if entries else ((), (), (), ())
+    return encode_header_columns(names, st_dtypes, shapes, sizes, metadata)
+
+
+def encode_header_columns(names: Sequence[str], st_dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                          sizes: Sequence[int], metadata: dict[str, str] | None = None) -> bytes:
+    """:func:`encode_header` of the tensors given as four columns (a shard writer has them so)."""
+    meta = {"format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION, **(metadata or {})}
+    if len(set(names)) != len(names) or "__metadata__" in names:
+        seen: set[str] = {"__metadata__"}
+        for name in names:
+            if name in seen:
+                raise ValueError(f"duplicate or reserved tensor name {name!r}")
+            seen.add(name)
+    text = _header_text(names, st_dtypes, shapes, sizes, meta)
+    if text is None:
+        text = _header_json(zip(names, st_dtypes, shapes, sizes), meta)
+    body = text.encode("ascii")
     total = 8 + len(body)
     padded = -(-total // DATA_ALIGN) * DATA_ALIGN
     body += b" " * (padded - total)
     return struct.pack("<Q", len(body)) + body
+
+
+def _header_json(entries: Iterable[tuple[str, str, Sequence[int], int]], meta: dict[str, str]) -> str:
+    """The header's JSON text as ``json.dumps`` writes the header object: the definition of the bytes
+    that :func:`_header_text` writes faster."""
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for name, st_dtype, shape, nbytes in entries:
+        header[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    return json.dumps(header, separators=(",", ":"), ensure_ascii=True)
+
+
+_escape = json.encoder.encode_basestring_ascii  # what json.dumps(ensure_ascii=True) writes a string as
+
+
+def _header_text(names: Sequence[str], st_dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                 sizes: Sequence[int], meta: dict[str, str]) -> str | None:
+    """The same text as :func:`_header_json`, written entry by entry as one f-string each (issue 23:
+    building a dict of three values and two lists per tensor for ``json.dumps`` cost 3 us a tensor,
+    this a sixth of it). Only for the canonical case, checked in bulk first: names and dtypes of type
+    str, sizes and dimensions of type int (``repr`` of an int is what json writes; a bool or a numpy
+    integer is not), shapes lists or tuples; None otherwise, for ``_header_json`` to write."""
+    head = '{"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=True)
+    if not names:
+        return head + "}"
+    if (set(map(type, names)) != {str} or set(map(type, st_dtypes)) != {str} or set(map(type, sizes)) != {int}
+            or not set(map(type, shapes)) <= {list, tuple}
+            or not set(map(type, itertools.chain.from_iterable(shapes))) <= {int}):
+        return None
+    ends = list(itertools.accumulate(sizes))
+    begins = [0, *ends[:-1]]
+    esc = _escape
+    dtypes = map({d: esc(d) for d in set(st_dtypes)}.__getitem__, st_dtypes)
+    # A state repeats few shapes: each one's text is made once.
+    as_tuples = list(map(tuple, shapes))
+    dims = map({t: ",".join(map(repr, t)) for t in set(as_tuples)}.__getitem__, as_tuples)
+    parts = [f'{esc(n)}:{{"dtype":{d},"shape":[{s}],"data_offsets":[{b},{e}]}}'
+             for n, d, s, b, e in zip(names, dtypes, dims, begins, ends)]
+    return head + "," + ",".join(parts) + "}"
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -232,7 +289,8 @@ def decode_header(
 
 
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
-_SANE = 2**62
+#: Sizes and offsets a header may hold are below this (larger ones are refused as hostile).
+SANE_INT = _SANE = 2**62
 
 
 def _sane_ints(values: Any, max_len: int) -> bool:

@@ -1,7 +1,9 @@
 """Loading a committed cut back into the structure that was saved.
 
-Every byte is hashed once, while it is read (one pass), straight into the memory of the tensors returned;
-a partial load (``keys``) reads only the bytes those keys need and checks each array's own blake3.
+Every byte is hashed once, while it is read (one pass): a large array straight into the memory of the
+tensor returned, small ones in runs through one buffer, then copied into tensors of their own
+(docs/design.md, "A load's tensors"); a partial load (``keys``) reads only the bytes those keys need and
+checks each array's own blake3.
 Nothing is unpickled unless the caller passes ``allow_pickle=True``, and nothing is imported by a name
 the cut holds: user classes come back as themselves only when named in ``allowed_types``.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Protocol, Sequence
 
-from .arrays import empty_for, finish_tensor
+from .arrays import arrays_from, empty_for, finish_tensor
 from .attached import AttachedFile, Restorer
 from .errors import CorruptCut, UsageError
 from .storage import Storage
@@ -94,8 +96,11 @@ def _read_arrays(storage: Storage, m: Manifest, needed: set[str], *, partial: bo
     """Array name -> the array read (and checked) for every name in ``needed``, shard by shard; a partial
     load (``partial``) reads only the byte ranges it needs of an uncompressed shard."""
     objs: dict[str, Any] = {}
+    by_file: dict[str, list[TensorRecord]] = {rec.name: [] for rec in m.files}
+    for t in m.tensors:  # one pass, not one per file (a cut of many shards of many arrays)
+        by_file[t.file].append(t)
     for rec in m.files:
-        in_file = [t for t in m.tensors if t.file == rec.name]
+        in_file = by_file[rec.name]
         wanted = [t for t in in_file if t.name in needed]
         if not wanted:
             if taps is not None:  # read and checked for the taps all the same (attached files' shards)
@@ -132,12 +137,18 @@ def _read_ranges(storage: Storage, m: Manifest, rec: FileRecord, in_file: list[T
 def _leaf_maker(objs: dict[str, Any], map_location: Any, where: dict[str, Any]) -> Callable[[str, dict[str, Any]], Any]:
     """The ``leaf`` callback of ``unflatten``: a tree node's array, finished as the node says."""
     finished: dict[tuple[Any, ...], Any] = {}
+    on_cpu = not _on_device(map_location)
 
     def leaf(name: str, node: dict[str, Any]) -> Any:
         # One object per (array, view, type), so tensors that were shared when saved are shared again,
         # and a Parameter and a plain tensor over one array keep their own types.
         if name not in objs:
             raise CorruptCut(f"manifest tree names arrays it does not record: [{name!r}]", **where)
+        if on_cpu and len(node) == 2 and node["t"] != "dtensor":
+            # A plain "tensor" or "ndarray" node ({"t", "name"}): the array itself, which finish_tensor
+            # returns unchanged (the builder checked that it names an array of the node's kind). Most
+            # leaves of a state are these (issue 23: the general path cost 3 us a leaf).
+            return objs[name]
         key = (name, node.get("t"), repr(node.get("view")), node.get("param"), node.get("requires_grad"))
         if key not in finished:
             obj = objs[name]
@@ -199,10 +210,18 @@ def _read_shard(storage: Storage, m: Manifest, rec: FileRecord, in_file: list[Te
             return view
         return None
 
+    def take(run: Sequence[TensorRecord], data: memoryview, starts: list[int]) -> None:
+        # A run of small arrays read in one piece: built together (issue 23), each its own storage.
+        picked = [k for k, t in enumerate(run) if t.name in wanted]
+        if len(picked) < len(run):
+            run, starts = [run[k] for k in picked], [starts[k] for k in picked]
+        if run:
+            objs.update(zip([t.name for t in run], _allocate_run(list(run), data, starts, where)))
+
     tap = None if taps is None else taps.begin(rec)
     try:
         read_shard_into(storage, m.cut, rec, in_file, dest, format_version=m.format_version, verify=verify,
-                        reuses_buffers=reuses_buffers, tap=tap)
+                        reuses_buffers=reuses_buffers, tap=tap, take=take)
     except BaseException:
         if taps is not None:
             taps.end(rec, False)
@@ -219,6 +238,17 @@ def _allocate(t: TensorRecord, where: dict[str, Any]) -> tuple[Any, memoryview]:
         return empty_for(t.kind, t.dtype, t.shape, t.nbytes)
     except (TypeError, AttributeError) as exc:
         raise CorruptCut(f"array {t.name!r}: cannot allocate {t.kind} dtype {t.dtype!r} here: {exc}", **where) from None
+
+
+def _allocate_run(ts: list[TensorRecord], data: memoryview, starts: list[int], where: dict[str, Any]) -> list[Any]:
+    """The arrays of ``ts`` filled from their bytes in ``data`` (``arrays_from``); a dtype this torch or
+    numpy lacks is the DataError of ``_allocate``, naming the first such array."""
+    try:
+        return arrays_from(ts, data, starts)
+    except (TypeError, AttributeError):
+        for t in ts:
+            _allocate(t, where)
+        raise
 
 
 def _on_device(map_location: Any) -> bool:

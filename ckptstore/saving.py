@@ -15,7 +15,7 @@ import json
 import time
 from typing import Any, Sequence
 
-from .arrays import ArrayItem, describe
+from .arrays import ArrayItem, describe_all
 from .attached import AttachedFile, FilesArg, close_sources, open_sources
 from .collective import Collective
 from .core import StoreCore
@@ -103,7 +103,7 @@ def prepare_state(state: Any, files: FilesArg | None, allow_pickle: bool, url: s
                   ) -> tuple[dict[str, Any], list[ArrayItem], bool, list[AttachedFile]]:
     """What a synchronous save writes: the state's tree and arrays, then the attached files' bytes."""
     tree, leaves = flatten(state, allow_pickle=allow_pickle)
-    items = [describe(leaf) for leaf in leaves]
+    items = describe_all(leaves)
     sources = open_sources(files, where={"store": url})
     try:
         items += [s.item(where={"store": url}) for s in sources]

@@ -1,17 +1,16 @@
 """Reading shard files back, hashing while the bytes pass, with no torch anywhere (the read side of what
 ``ckptstore.shards`` names; the write side is :mod:`ckptstore.shardwrite`, issue 20).
 
-``read_shard_into`` streams a shard back into caller-provided buffers, checking the header against the
-manifest and every hash on the way (each byte hashed once); ``read_header`` and ``read_tensor_range``
-serve partial loads. The checks themselves are :mod:`ckptstore.shardcheck`'s. Every byte comes through
-a storage verb (``open_reader``, ``read_range``, ``size``; no branch opens a file itself), so the fault
-sweep sees each read.
+``read_shard_into`` streams a shard back into caller-provided buffers (small arrays in runs through one
+scratch buffer, issue 23), checking the header against the manifest and every hash on the way (each
+byte hashed once); ``read_header`` and ``read_tensor_range`` serve partial loads. The checks themselves
+are :mod:`ckptstore.shardcheck`'s. Every byte comes through a storage verb (``open_reader``,
+``read_range``, ``size``; no branch opens a file itself), so the fault sweep sees each read.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, BinaryIO, Callable, Protocol, Sequence
+from typing import BinaryIO, Callable, Sequence
 
 import zstandard
 
@@ -19,8 +18,15 @@ from . import hashing, layout
 from .errors import CorruptCut, HashMismatch, StorageError, TruncatedFile
 from .format import ShardHeader, decode_header
 from .manifest import FileRecord, TensorRecord
-from .shardcheck import check_file_digest_v2, check_header_matches, check_missing, check_tensor_digests, file_order_key
-from .shardwrite import PIECE
+from .shardarrays import BATCH_BELOW, ArraySink, Take, TensorHashes, read_arrays
+from .shardcheck import (
+    check_file_digest_v2,
+    check_header_matches,
+    check_missing,
+    check_tensor_digests,
+    file_order_key,
+    header_is_written_form,
+)
 from .storage import Storage
 
 #: The largest zstd window a reader accepts (libzstd's default limit, stated): the writer's levels use
@@ -31,7 +37,7 @@ MAX_ZSTD_WINDOW = 1 << 27
 class _RawStream:
     """The raw (safetensors) byte stream of a shard, hashing the stored bytes (``hash_stored``) and,
     of a compressed file, the raw bytes (``hash_raw``) plainly as they pass: what format v1 records.
-    Format v2 hashes the stored bytes of a zstd file only; the raw bytes go to ``_TensorHashes``."""
+    Format v2 hashes the stored bytes of a zstd file only; the raw bytes go to ``TensorHashes``."""
 
     def __init__(
         self, storage: Storage, rel: str, record: FileRecord, where: dict, *, overlap: bool, hash_stored: bool,
@@ -102,13 +108,16 @@ class _RawStream:
         self.readinto_exact(memoryview(buf))
         return bytes(buf)
 
-    def read_header(self) -> tuple[bytes, ShardHeader]:
-        """The header's bytes (length prefix, JSON, padding) and the header they decode to; a length
-        prefix past the file (or past 64 MiB) is not read, and the decoder refuses it."""
+    def read_header_bytes(self) -> bytes:
+        """The header's bytes (length prefix, JSON, padding); a length prefix past the file (or past
+        64 MiB) is not followed, and the decoder refuses what is returned then (the prefix alone)."""
         prefix = self.read_exact(8)
         n = int.from_bytes(prefix, "little")
-        head_bytes = prefix + (self.read_exact(n) if n <= min(self.record.raw_nbytes - 8, 64 << 20) else b"")
-        return head_bytes, decode_header(lambda s, e: head_bytes[s:e], self.record.raw_nbytes, where=self.where)
+        return prefix + (self.read_exact(n) if n <= min(self.record.raw_nbytes - 8, 64 << 20) else b"")
+
+    def decode(self, head_bytes: bytes) -> ShardHeader:
+        """The header ``head_bytes`` decode to, every bound checked (``format.decode_header``)."""
+        return decode_header(lambda s, e: head_bytes[s:e], self.record.raw_nbytes, where=self.where)
 
     def finish(self) -> None:
         """Drains the rest of the file and checks lengths: a truncated frame or file can never pass,
@@ -199,62 +208,6 @@ class _Tapped:
         self._raw.close()
 
 
-class _TensorHashes:
-    """Format v2 reads: each array's blake3, hashed once as its bytes are read. With ``overlap`` (the
-    caller never reuses a buffer), arrays of ``hashing.SMALL`` bytes or more are hashed on a helper
-    thread while the next piece is read; smaller ones inline (a hand-off per 4 KB array would cost more
-    than it saves)."""
-
-    def __init__(self, overlap: bool) -> None:
-        self._overlap = overlap
-        self._pool: ThreadPoolExecutor | None = None
-        self._updates: list[Future[None]] = []
-        self._done: list[tuple[TensorRecord, bytes | Future[bytes]]] = []
-        self._hasher: Any = None  # the current array's
-        self._pooled = False
-
-    def begin(self, t: TensorRecord) -> None:
-        self._hasher = hashing.new_hasher(threads=hashing.AUTO if t.nbytes >= hashing.SMALL else 1)
-        self._pooled = self._overlap and t.nbytes >= hashing.SMALL
-        if self._pooled and self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-hash")
-
-    def update(self, piece: memoryview) -> None:
-        if self._pooled:
-            assert self._pool is not None
-            self._updates.append(self._pool.submit(self._hasher.update, piece))
-        else:
-            self._hasher.update(piece)
-
-    def end(self, t: TensorRecord) -> None:
-        if self._pooled:
-            assert self._pool is not None
-            self._done.append((t, self._pool.submit(self._hasher.digest)))
-        else:
-            self._done.append((t, self._hasher.digest()))
-
-    def digests(self) -> list[tuple[TensorRecord, bytes]]:
-        """Every array's raw digest, in the order they were read; waits for the helper thread."""
-        self.close()
-        for f in self._updates:
-            f.result()
-        return [(t, d if isinstance(d, bytes) else d.result()) for t, d in self._done]
-
-    def close(self) -> None:
-        if self._pool is not None:
-            pool, self._pool = self._pool, None
-            pool.shutdown(wait=True)
-
-
-class ArraySink(Protocol):
-    """Where :func:`read_shard_into` hands each array's bytes as they are read (unverified until it
-    returns)."""
-
-    def begin(self, t: TensorRecord) -> None: ...
-    def write(self, piece: memoryview) -> None: ...
-    def end(self, t: TensorRecord) -> None: ...
-
-
 def read_shard_into(
     storage: Storage,
     cut: str,
@@ -268,8 +221,9 @@ def read_shard_into(
     reuses_buffers: bool = False,
     sink: ArraySink | None = None,
     tap: Callable[[memoryview | bytes], None] | None = None,
+    take: Take | None = None,
 ) -> None:
-    """Streams a whole shard, reading each array's bytes straight into ``dest(record)``; checks the
+    """Streams a whole shard, reading each array's bytes into ``dest(record)``; checks the
     file's size, then the header against the manifest, the file's lengths and (with ``verify``) its
     digests as the manifest's ``format_version`` defines them, hashed while reading (each byte once:
     v2 hashes each array and builds the file digest from them; v1 hashes the file plainly). Hashing
@@ -280,22 +234,31 @@ def read_shard_into(
     piece as they are read (``begin``, ``write`` of each piece, ``end``): its bytes are verified only
     when this returns. ``tap`` sees every stored byte of the file (compressed ones as stored) in order,
     each once, as it is read: a mirror streams them on (issue 21), and they too are verified only when
-    this returns; what ``tap`` raises is raised as itself."""
+    this returns; what ``tap`` raises is raised as itself.
+
+    Arrays under ``BATCH_BELOW`` bytes are read in runs, up to ``PIECE`` bytes in one read into a
+    scratch buffer (issue 23: one read and one hasher per 4 KB array cost more than its bytes), hashed
+    from it and copied into ``dest(record)``; with ``take``, a run goes to ``take(run, data, starts)``
+    instead (``run[k]``'s bytes are ``data[starts[k]:starts[k] + run[k].nbytes]``, valid until it
+    returns, unverified until this does) and ``dest`` sees only the larger arrays."""
     rel = layout.cut_file(cut, record.name)
     where = {"store": storage.url, "cut": cut, "path": rel}
     v2 = format_version >= 2
     overlap = verify and not reuses_buffers
-    # verify=False checks lengths and the header but no digest, so nothing is hashed at all.
+    # verify=False checks lengths and the header but no digest, so nothing is hashed at all. A v1 file's
+    # bytes are hashed as they pass; never on the helper thread when runs reuse the scratch buffer.
     stream = _RawStream(
-        storage, rel, record, where, overlap=overlap and not v2,
+        storage, rel, record, where, overlap=overlap and not v2 and all(t.nbytes >= BATCH_BELOW for t in tensors),
         hash_stored=verify and (not v2 or record.codec != "none"), hash_raw=verify and not v2, tap=tap,
     )
-    hashes = _TensorHashes(overlap) if verify and v2 else None
+    hashes = TensorHashes(overlap) if verify and v2 else None
     try:
-        head_bytes, header = stream.read_header()
+        head_bytes = stream.read_header_bytes()
         ordered = sorted(tensors, key=file_order_key)
-        check_header_matches(header, ordered, where)
-        _read_arrays(stream, ordered, dest, reuses_buffers=reuses_buffers, hashes=hashes, sink=sink, on_bytes=on_bytes)
+        if not header_is_written_form(head_bytes, ordered, record.raw_nbytes):
+            check_header_matches(stream.decode(head_bytes), ordered, where)
+        read_arrays(stream, ordered, dest, reuses_buffers=reuses_buffers, hashes=hashes, sink=sink, on_bytes=on_bytes,
+                     take=take)
         stream.finish()
         _check_digests(stream, hashes, head_bytes, verify=verify)
     except BaseException as exc:
@@ -307,40 +270,7 @@ def read_shard_into(
         raise
 
 
-def _read_arrays(
-    stream: _RawStream, ordered: Sequence[TensorRecord], dest: Callable[[TensorRecord], memoryview | None], *,
-    reuses_buffers: bool, hashes: _TensorHashes | None, sink: ArraySink | None, on_bytes: Callable[[int], None] | None,
-) -> None:
-    """Each array's bytes, in file order, into ``dest(t)`` (or the one scratch buffer), piece by piece,
-    each piece handed to the hashes and the sink as soon as it is read."""
-    scratch: memoryview | None = None
-    for t in ordered:
-        view = dest(t)
-        if view is None:
-            if not reuses_buffers:
-                raise ValueError("dest returned no buffer; pass reuses_buffers=True")
-            if scratch is None:
-                scratch = memoryview(bytearray(min(PIECE, max(x.nbytes for x in ordered))))
-        if hashes is not None:
-            hashes.begin(t)
-        if sink is not None:
-            sink.begin(t)
-        for start in range(0, t.nbytes, PIECE):
-            piece = view[start : start + PIECE] if view is not None else scratch[: min(PIECE, t.nbytes - start)]  # type: ignore[index]
-            stream.readinto_exact(piece)
-            if hashes is not None:
-                hashes.update(piece)
-            if sink is not None:
-                sink.write(piece)
-            if on_bytes is not None:
-                on_bytes(len(piece))
-        if sink is not None:
-            sink.end(t)
-        if hashes is not None:
-            hashes.end(t)
-
-
-def _check_digests(stream: _RawStream, hashes: _TensorHashes | None, head_bytes: bytes, *, verify: bool) -> None:
+def _check_digests(stream: _RawStream, hashes: TensorHashes | None, head_bytes: bytes, *, verify: bool) -> None:
     """The digests as the manifest's format version defines them: v2 (``hashes``) every array's and
     the file digest built from them, plus a zstd file's stored bytes; v1 the plain stored and raw."""
     record, where = stream.record, stream.where

@@ -19,9 +19,10 @@ from ..errors import StorageError
 from .base import Sink, cut_of
 from .buffers import ALIGN, CHUNK, BufferPool
 
-__all__ = ["ALIGN", "CHUNK", "PosixSink", "SinkHost", "buffer_address"]
+__all__ = ["ALIGN", "CHUNK", "ZERO_COPY_MIN", "PosixSink", "SinkHost", "buffer_address"]
 
-_ZERO_COPY_MIN = 64 << 10  # below this, copying into the staging buffer is cheaper than an extra write
+#: Below this, copying into the staging buffer is cheaper than an extra write.
+ZERO_COPY_MIN = 64 << 10
 
 
 def buffer_address(view: memoryview) -> int | None:
@@ -55,6 +56,9 @@ class PosixSink(Sink):
     piece goes to the disk straight from the caller's memory, skipping the staging copy: one less pass
     over every byte, which is memory bandwidth and cache the trainer next door keeps. The caller's
     memory must then stay unchanged until ``close`` returns (``write_shard`` callers own it until then).
+    Only writable memory goes this way: a read-only piece (bytes, or a view made with ``toreadonly()``)
+    is always copied before ``write`` returns, so its buffer may be reused at once (``write_shard``'s
+    gathering buffer relies on it).
     Should the kernel refuse an aligned O_DIRECT write (EINVAL), the file drops O_DIRECT and carries on
     through the page cache: slower, never wrong."""
 
@@ -108,13 +112,27 @@ class PosixSink(Sink):
                     continue
                 buf = self._bufs[self._cur]
                 take = min(len(mv), buf.size - self._fill)
-                buf.view[self._fill : self._fill + take] = mv[:take]
+                self._copy(buf.view, mv, take)
                 self._fill += take
                 mv = mv[take:]
                 if self._fill == buf.size:
                     self._submit(self._fill)
         except OSError as exc:
             raise self._error(exc, "writing shard") from exc
+
+    def _copy(self, dest: memoryview, mv: memoryview, take: int) -> None:
+        """Copies ``mv[:take]`` into ``dest`` at the fill position. A large copy from writable memory
+        runs without the GIL (``ctypes.memmove``): a slice assignment holds it for the whole copy (1 ms
+        for 8 MiB), and the I/O thread, back from a write, waited that long before it could hand the
+        result over and take the next buffer, while the disk sat idle (issue 23: the gaps between the
+        writes of a 1 GiB store.save went from 0.7-1.4 ms to 0.2 ms at the median)."""
+        src = buffer_address(mv) if take >= ZERO_COPY_MIN else None
+        if src is None:
+            dest[self._fill : self._fill + take] = mv[:take]
+            return
+        base = buffer_address(dest)
+        assert base is not None, "staging buffers are writable"
+        ctypes.memmove(base + self._fill, src, take)
 
     def _error(self, exc: OSError, action: str) -> StorageError:
         """The error a storage verb raises for ``exc`` (as ``Storage``'s own), naming store, cut and file."""
@@ -124,7 +142,7 @@ class PosixSink(Sink):
         """How many leading bytes of ``mv`` can go to the disk from the caller's memory: a multiple of
         the alignment, when the file position (after the buffered bytes) and the address both are
         aligned; 0 when the piece must be copied."""
-        if not self._direct or len(mv) < _ZERO_COPY_MIN or self._fill % ALIGN:
+        if not self._direct or len(mv) < ZERO_COPY_MIN or self._fill % ALIGN:
             return 0
         address = buffer_address(mv)
         if address is None or address % ALIGN:
