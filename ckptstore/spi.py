@@ -64,6 +64,7 @@ from .pointed import read_or_none
 from .shards import check_header_matches, read_header, read_shard_into, read_tensor_range, write_shards
 from .storage import Storage, StorageSpec, open_spec
 from .tree import Leaf, flatten, has_pickle, unflatten
+from .tree.layoutcache import Flat, LayoutCache
 from .recovery import Classification
 from .shards import Codec
 from .store import Store, core_of
@@ -128,7 +129,7 @@ __all__ = [
     "policy_to_json", "read_or_none",
     # the state tree and its arrays
     "Leaf", "flatten", "unflatten", "has_pickle", "ArrayItem", "describe", "empty_for", "torch_dtype_name",
-    "TORCH_DTYPES",
+    "TORCH_DTYPES", "Flat", "LayoutCache",
     # shards, storage, the protocol, the rescue, the inherited lock
     "write_shards", "read_header", "read_shard_into", "read_tensor_range", "check_header_matches", "Storage",
     "StorageSpec", "open_spec", "CommitProtocol", "ensure_marked", "finish_orphaned_cut", "InheritedLock",

@@ -88,7 +88,7 @@ EXPECTED_SPI = [
     "TensorRecord", "TensorColumns", "AttachedFile", "FilesArg", "Source", "open_sources", "close_sources", "Policy",
     "policy_from_json", "policy_to_json", "read_or_none", "Leaf",
     "flatten", "unflatten", "has_pickle", "ArrayItem", "describe", "empty_for", "torch_dtype_name",
-    "TORCH_DTYPES", "write_shards", "read_header", "read_shard_into", "read_tensor_range",
+    "TORCH_DTYPES", "Flat", "LayoutCache", "write_shards", "read_header", "read_shard_into", "read_tensor_range",
     "check_header_matches", "Storage", "StorageSpec", "open_spec", "CommitProtocol", "ensure_marked",
     "finish_orphaned_cut", "InheritedLock", "Collective", "RankFailure", "RankGroup", "check_all_ok",
     "check_same", "outcome", "Emitter", "pausing", "StrictModel", "StrKind", "NoticeKind",

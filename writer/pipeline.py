@@ -40,7 +40,7 @@ from ckptstore.spi import CutIntent, PendingCut, RankPart
 from ckptstore.spi import StorageSpec
 
 from . import protocol as P
-from .capture import Captured, Pinning, capture
+from .capture import CaptureCache, Captured, Pinning, capture
 from .errors import WriterDied, WriterTimeout
 from .handle import CutHandle, elapsed
 from .ledger import CutLedger
@@ -98,6 +98,8 @@ class CommitPipeline:
         self._spec = spec
         self._block: Block | None = None
         self._pinning = Pinning()
+        #: The last state's layout, plan and views of the block: a cut of the same layout reuses them.
+        self._captures = CaptureCache()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         #: The mirror tier each committed cut is handed to (issue 21; None: no mirror): in process mode
@@ -123,7 +125,8 @@ class CommitPipeline:
     def capture(self, handle: CutHandle, state: Any, *, allow_pickle: bool, files: FilesArg | None) -> Captured:
         """Copies ``state`` into the shared block for ``handle``'s cut (``ckptstore.writer.capture``)."""
         return capture(state, self._block_for, allow_pickle=allow_pickle, device_copy=self.options.device_copy,
-                       pinning=self._pinning, files=files, where={"store": self.store.url, "cut": handle.id})
+                       pinning=self._pinning, files=files, where={"store": self.store.url, "cut": handle.id},
+                       cache=self._captures)
 
     def capture_failed(self, handle: CutHandle, err: BaseException) -> None:
         """The cut failed at capture (here, or on another rank): the caller raises ``err`` now."""
@@ -343,7 +346,7 @@ class CommitPipeline:
         fin = P.Finish(**dict(job.intent), rank_timeout=ranks.rank_timeout if ranks else 300.0,
                        stall_timeout=self.options.write_timeout) if finish else None
         return P.WriteRequest(cut=job.handle.id, step=job.handle.step, block=self._block.name,
-                              block_size=self._block.size, slots=list(job.captured.plan.slots),
+                              block_size=self._block.size, slots=job.captured.plan.slots,
                               shards=spi.shard_spec(self.store), rank=ranks.rank if ranks is not None else 0,
                               finish=fin, after_mark=finish, block_complete=job.captured.complete)
 
@@ -376,6 +379,7 @@ class CommitPipeline:
         if self._block is not None:
             if self._pinning.block is self._block:
                 self._pinning.release()
+            self._captures.release()  # its views of the block would keep the block mapped
             block, self._block = self._block, None
             block.close()
 

@@ -7,14 +7,14 @@ CUDA copy lands on an aligned host address.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Iterable, Literal
 
 from ckptstore.spi import ArrayItem
 
 ALIGN = 4096
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a plan of 100,000 arrays holds 100,000 of them
 class Slot:
     """Where one array lives in the block: the one record of an array from the plan, over the wire to
     the writer process (``WriteRequest.slots`` validates this very type), to the shard writer
@@ -47,14 +47,28 @@ def align(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
-def plan_block(arrays: list[tuple[str, str, str, tuple[int, ...], int]]) -> BlockPlan:
-    """``arrays`` are (name, kind, dtype, shape, nbytes) in state order; returns their slots."""
+def plan_block(arrays: Iterable[tuple[str, str, str, tuple[int, ...], int]], start: int = 0) -> BlockPlan:
+    """``arrays`` are (name, kind, dtype, shape, nbytes) in state order; returns their slots, the first
+    at ``start`` (aligned)."""
     slots = []
-    offset = 0
+    offset = start
+    seen: dict[Any, Any] = {}  # one object per distinct shape and size (a state has few of them)
     for name, kind, dtype, shape, nbytes in arrays:
-        slots.append(Slot(name, kind, dtype, tuple(shape), nbytes, offset))
+        shape = tuple(shape)
+        slots.append(Slot(name, kind, dtype, seen.setdefault(shape, shape), seen.setdefault(nbytes, nbytes), offset))
         offset = align(offset + nbytes)
     return BlockPlan(tuple(slots), max(offset, ALIGN))
+
+
+def extend_plan(plan: BlockPlan, arrays: list[tuple[str, str, str, tuple[int, ...], int]]) -> BlockPlan:
+    """``plan`` with ``arrays`` laid out after its slots: the plan ``plan_block`` gives for all of them,
+    without laying out ``plan``'s slots again (a capture reuses its state's plan and appends the
+    attached files, which may change at every cut)."""
+    if not arrays:
+        return plan
+    last = plan.slots[-1] if plan.slots else None
+    more = plan_block(arrays, start=align(last.offset + last.nbytes) if last is not None else 0)
+    return BlockPlan(plan.slots + more.slots, more.nbytes)
 
 
 def grown_size(needed: int, current: int) -> int:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 WRITER = Path(__file__).resolve().parents[2] / "writer"
 
-#: Private-looking names that are public elsewhere (``os._exit``).
-PUBLIC_ELSEWHERE = {"_exit"}
+#: Private-looking names that are public elsewhere (``os._exit``; ``torch._foreach_copy_``, torch's batched
+#: copy, which the batched capture is built on: issue 23).
+PUBLIC_ELSEWHERE = {"_exit", "_foreach_copy_"}
 
 
 def _modules() -> dict[str, ast.Module]:
