@@ -206,8 +206,10 @@ class Flattener:
         shape, dtype = t.shape, t.dtype
         # The identity of a tensor: its storage (by address: data_ptr less the offset, the same number as
         # ``untyped_storage().data_ptr()`` at a third of the cost), offset, shape, stride, dtype, device.
-        # Zero-size tensors have none (each is its own leaf).
-        if 0 in shape:
+        # Zero-size tensors have none (each is its own leaf), and neither has a conjugate or negative view:
+        # its bytes are its base's with a lazy bit, so as a view of a shared storage (or tied to its base)
+        # it would load as its base; as its own leaf it is written resolved (``describe``, the batched copy).
+        if 0 in shape or t.is_conj() or t.is_neg():
             key = None
         else:
             offset = t.storage_offset()

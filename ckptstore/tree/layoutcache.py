@@ -180,7 +180,9 @@ class Layout:
         layout._sig = _signature(w.tensors)
         layout._array_sig = [(type(a), a.dtype, a.shape) for a in w.arrays]
         torch_leaves = len(leaves) - len(w.arrays)
-        if f.shared or len(w.tensors) != torch_leaves:  # some storage holds two of the tensors met
+        # Some storage holds two of the tensors met, or one is a conjugate/negative view (its own leaf,
+        # whose base's storage it shares: the same view without the bit would be a view of the base).
+        if f.shared or len(w.tensors) != torch_leaves or any(_bits(t) != (False, False) for t in w.tensors):
             layout._flagged = _flag_shared(w.tensors, layout._sig)
         layout.reusable = _same_objects(layout._sources(w), leaves)
         return layout

@@ -648,3 +648,25 @@ def test_cuts_ascending_by_step_and_latest(store: Store) -> None:
     with Store.open(store.url, readonly=True) as ro:
         assert [c.id for c in ro.cuts()] == [c.id for c in store.cuts()]
         assert ro.latest() == store.latest()
+
+
+def test_a_conjugate_or_negative_view_beside_its_base_keeps_its_own_values(tmp_path) -> None:
+    """``c.conj()`` and ``x._neg_view()`` share their base's storage and bytes and differ by a lazy bit:
+    identified as their base (tied) or saved as views of its storage, they loaded as the base (found
+    in issue 23's review). Each is its own leaf now, saved resolved, by ``save`` and by the
+    Checkpointer's batched capture at every cut."""
+    from ckptstore.writer import Checkpointer
+
+    c = torch.randn(4, dtype=torch.complex64)
+    x = torch.randn(3)
+    state = {"a": c, "b": c.conj(), "n": x, "m": x._neg_view(), "again": c}
+    want = {k: v.resolve_conj().resolve_neg() for k, v in state.items()}
+    with Store.open(str(tmp_path / "s"), create=True) as s:
+        s.save(state, step=1)
+    got = ckptstore.load(str(tmp_path / "s"))
+    assert all(torch.equal(got[k], want[k]) for k in state), got
+    with Checkpointer(str(tmp_path / "c"), every=1) as ck:
+        for step in (1, 2, 3):
+            ck.cut(step, state).wait()
+            got = ckptstore.load(str(tmp_path / "c"))
+            assert all(torch.equal(got[k], want[k]) for k in state), (step, got)
