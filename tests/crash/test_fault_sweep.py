@@ -249,23 +249,29 @@ def _under_fault(storage: FaultyStorage, out: Outcome, fn: Callable[[], Any]) ->
             plan.recording = False
 
 
-def op_save(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
-    """save(step=3) under the fault; then, without faults, save(4) and save(5) on the same handle."""
+def _save_then_two_more(root: str, tpl: Template, plan: FaultPlan, step: int, *,
+                        options: ckptstore.StoreOptions | None = None, **kw: Any) -> Outcome:
+    """save(step) under the fault; then, without faults, step + 1 and step + 2 on the same handle."""
     out = Outcome(expect=dict(tpl.cuts))
     storage = _faulty(root, plan)
-    store = Store.open(storage)
+    store = Store.open(storage, options=options)
     try:
-        _under_fault(storage, out, lambda: store.save(state(3), step=3, tags=["keep"], final=True))
+        _under_fault(storage, out, lambda: store.save(state(step), step=step, **kw))
         if out.error is None:
-            out.expect[3] = out.result.id  # reported committed
-        for step in (4, 5):
+            out.expect[step] = out.result.id  # reported committed
+        for later in (step + 1, step + 2):
             try:
-                out.expect[step] = store.save(state(step), step=step).id
+                out.expect[later] = store.save(state(later), step=later).id
             except Exception as exc:  # noqa: BLE001
-                out.problems.append(f"save(step={step}) without faults after the fault failed: {normalize(repr(exc))}")
+                out.problems.append(f"save(step={later}) without faults after the fault failed: {normalize(repr(exc))}")
     finally:
         store.close()
     return out
+
+
+def op_save(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
+    """save(step=3) under the fault; then, without faults, save(4) and save(5) on the same handle."""
+    return _save_then_two_more(root, tpl, plan, 3, tags=["keep"], final=True)
 
 
 def op_prune(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
@@ -350,21 +356,7 @@ def op_load_readonly(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
 
 def op_save_many(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
     """save(step=13) of many small arrays in three shards under the fault; then, without faults, 14, 15."""
-    out = Outcome(expect=dict(tpl.cuts))
-    storage = _faulty(root, plan)
-    store = Store.open(storage, options=ckptstore.StoreOptions(max_shard_bytes=64 << 10))
-    try:
-        _under_fault(storage, out, lambda: store.save(state(13), step=13))
-        if out.error is None:
-            out.expect[13] = out.result.id
-        for step in (14, 15):
-            try:
-                out.expect[step] = store.save(state(step), step=step).id
-            except Exception as exc:  # noqa: BLE001
-                out.problems.append(f"save(step={step}) without faults after the fault failed: {normalize(repr(exc))}")
-    finally:
-        store.close()
-    return out
+    return _save_then_two_more(root, tpl, plan, 13, options=ckptstore.StoreOptions(max_shard_bytes=64 << 10))
 
 
 def op_save_files(root: str, tpl: Template, plan: FaultPlan) -> Outcome:
