@@ -27,6 +27,8 @@ from ckptstore.writer.shm import leftover_segments
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAINER = os.path.join(HERE, "soak_trainer.py")
+sys.path.insert(0, HERE)
+from soak_trainer import check_state  # noqa: E402  (the trainer's own check of a loaded state)
 
 
 @dataclass
@@ -37,7 +39,7 @@ class SoakReport:
     resumed_steps: list[int] = field(default_factory=list)
 
 
-def check_store(root: str, committed_max: int | None) -> int | None:
+def check_store(root: str, committed_max: int | None, many: int = 0) -> int | None:
     """The invariant after a kill; returns LATEST's step."""
     with ckptstore.Store.open(root, readonly=True) as reader:
         cls = reader.classify()
@@ -50,12 +52,14 @@ def check_store(root: str, committed_max: int | None) -> int | None:
     if step is not None:
         st = ckptstore.load(root)
         assert st["step"] == step and np.all(st["w"] == step), "LATEST's state is not the state of its step"
+        check_state(st, step, many)
     return step
 
 
-def run_once(root: str, rng: random.Random, report: SoakReport, *, max_run: float) -> int:
+def run_once(root: str, rng: random.Random, report: SoakReport, *, max_run: float, extra: list[str],
+             many: int) -> int:
     """One trainer run killed at a random moment; returns the step it resumed from."""
-    proc = subprocess.Popen([sys.executable, TRAINER, root], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, TRAINER, root, *extra], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     # The random kill moment counts from the trainer's first "writer" line (its Checkpointer is up and
     # its loop began), so a slow start (a loaded machine: the writer process's start took over 2 s in a
@@ -114,18 +118,22 @@ def run_once(root: str, rng: random.Random, report: SoakReport, *, max_run: floa
     if writer_pid:
         assert _gone(writer_pid, 15), f"writer {writer_pid} outlived its trainer"
     assert leftover_segments(proc.pid) == [], leftover_segments(proc.pid)
-    check_store(root, committed_max)
+    check_store(root, committed_max, many)
     return resumed
 
 
-def soak(root: str, *, seconds: float, seed: int = 0, max_run: float = 2.0) -> SoakReport:
+def soak(root: str, *, seconds: float, seed: int = 0, max_run: float = 2.0, many: int = 0,
+         use_torch: bool = False) -> SoakReport:
+    """Kills and restarts the trainer for ``seconds``; ``many`` and ``use_torch`` are soak_trainer's
+    ``--many`` and ``--torch`` (a state of many small arrays)."""
     rng = random.Random(seed)
     report = SoakReport()
+    extra = ["--many", str(many)] + (["--torch"] if use_torch else []) if many else []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        before = check_store(root, None) if os.path.exists(os.path.join(root, "STORE.json")) else None
+        before = check_store(root, None, many) if os.path.exists(os.path.join(root, "STORE.json")) else None
         expected_resume = before if before is not None else 0
-        resumed = run_once(root, rng, report, max_run=max_run)
+        resumed = run_once(root, rng, report, max_run=max_run, extra=extra, many=many)
         assert resumed == expected_resume, f"resumed at {resumed}, LATEST was {expected_resume}"
     return report
 
@@ -135,8 +143,10 @@ def main() -> int:
     ap.add_argument("store")
     ap.add_argument("--seconds", type=float, default=1800)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--many", type=int, default=0, help="small arrays in the state (soak_trainer --many)")
+    ap.add_argument("--torch", action="store_true", help="the small arrays as torch tensors")
     args = ap.parse_args()
-    rep = soak(args.store, seconds=args.seconds, seed=args.seed)
+    rep = soak(args.store, seconds=args.seconds, seed=args.seed, many=args.many, use_torch=args.torch)
     print(json.dumps(rep.__dict__))
     return 0
 

@@ -54,6 +54,38 @@ def test_kill_trainer_at_each_phase_of_a_background_cut(tmp_path, phase):
     assert ckptstore.Store.open(root, readonly=True).latest().final
 
 
+def test_short_soak_of_many_small_tensors(tmp_path):
+    """Issue 23's paths under random kills of the trainer and its writer: 1,500 small torch tensors of
+    five dtypes updated in place (the batched capture's layout cache is warm from the second cut),
+    written in gathered batches, committed as a v4 table. Every restart loads LATEST and checks each
+    tensor against its step (soak_trainer.check_state)."""
+    rep = soak(str(tmp_path / "store"), seconds=20, seed=23, max_run=3.0, many=1500, use_torch=True)
+    assert rep.restarts >= 3
+    assert rep.committed > 0
+    assert max(rep.resumed_steps) > 0
+    with ckptstore.Store.open(str(tmp_path / "store"), readonly=True) as store:
+        assert store.manifest().format_version == 4  # the table manifest was what the kills hit
+
+
+@pytest.mark.parametrize("phase", ["mark-written", "shards-synced", "manifest-written", "latest-written",
+                                   "prune-files-deleted"])
+def test_kill_trainer_mid_cut_of_many_small_arrays(tmp_path, phase):
+    """The kill sweep's phases with 3,000 small numpy arrays in the state (in place from the second cut)."""
+    root = str(tmp_path / "store")
+    args = ["--size", "1000", "--many", "3000", "--busy", "wait"]
+    proc = subprocess.run([sys.executable, TRAINER, root, "--steps", "50", *args, "--kill-at", f"{phase}:3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    committed = [e["step"] for e in events if e["event"] == "committed"]
+    latest = check_store(root, max(committed) if committed else None, many=3000)
+    out = subprocess.run([sys.executable, TRAINER, root, "--steps", str((latest or 0) + 3), *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[0]) == {"event": "resumed", "step": latest or 0}
+    check_store(root, (latest or 0) + 4, many=3000)  # the final cut, every array checked
+
+
 def test_no_shared_memory_left_by_killed_trainers():
     assert leftover_segments(os.getpid()) == []
     _ = np  # states are numpy-only so these subprocesses start without torch
