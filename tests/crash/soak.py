@@ -123,14 +123,17 @@ def run_once(root: str, rng: random.Random, report: SoakReport, *, max_run: floa
 
 
 def soak(root: str, *, seconds: float, seed: int = 0, max_run: float = 2.0, many: int = 0,
-         use_torch: bool = False) -> SoakReport:
-    """Kills and restarts the trainer for ``seconds``; ``many`` and ``use_torch`` are soak_trainer's
-    ``--many`` and ``--torch`` (a state of many small arrays)."""
+         use_torch: bool = False, min_restarts: int = 0) -> SoakReport:
+    """Kills and restarts the trainer for ``seconds``, and on until ``min_restarts`` runs were killed
+    (a loaded machine starts trainers slowly: a count a test asserts must not depend on the clock, at
+    most ten times ``seconds`` in all); ``many`` and ``use_torch`` are soak_trainer's ``--many`` and
+    ``--torch`` (a state of many small arrays)."""
     rng = random.Random(seed)
     report = SoakReport()
     extra = ["--many", str(many)] + (["--torch"] if use_torch else []) if many else []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    deadline, bound = start + seconds, start + 10 * seconds
+    while time.monotonic() < deadline or (report.restarts < min_restarts and time.monotonic() < bound):
         before = check_store(root, None, many) if os.path.exists(os.path.join(root, "STORE.json")) else None
         expected_resume = before if before is not None else 0
         resumed = run_once(root, rng, report, max_run=max_run, extra=extra, many=many)

@@ -19,7 +19,7 @@ from .soak import TRAINER, _gone, check_store, soak
 
 
 def test_short_soak(tmp_path):
-    rep = soak(str(tmp_path / "store"), seconds=30, seed=1234, max_run=2.0)
+    rep = soak(str(tmp_path / "store"), seconds=30, seed=1234, max_run=2.0, min_restarts=5)
     assert rep.restarts >= 5
     assert rep.committed > 0
     assert len(rep.resumed_steps) == rep.restarts
@@ -59,7 +59,8 @@ def test_short_soak_of_many_small_tensors(tmp_path):
     five dtypes updated in place (the batched capture's layout cache is warm from the second cut),
     written in gathered batches, committed as a v4 table. Every restart loads LATEST and checks each
     tensor against its step (soak_trainer.check_state)."""
-    rep = soak(str(tmp_path / "store"), seconds=20, seed=23, max_run=3.0, many=1500, use_torch=True)
+    rep = soak(str(tmp_path / "store"), seconds=20, seed=23, max_run=3.0, many=1500, use_torch=True,
+               min_restarts=3)
     assert rep.restarts >= 3
     assert rep.committed > 0
     assert max(rep.resumed_steps) > 0
