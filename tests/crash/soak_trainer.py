@@ -2,7 +2,7 @@
 
 Its state at step s is fully determined by s (``w == s``), so any loaded cut can be checked exactly.
 Prints one JSON line per event (and ``{"event": "writer", "pid": ...}`` whenever its writer changes).
-``--many N`` adds N small arrays of mixed dtypes, each filled with s (issue 23: the batched capture, the
+``--many N`` adds N small arrays of mixed dtypes, each filled with s % 250 (issue 23: the batched capture, the
 bulk shard writes and the table manifest under kills); ``--torch`` makes them torch tensors (the
 ``torch.cat``/``_foreach_copy_`` capture; the trainer then imports torch and starts slower).
 
@@ -53,7 +53,10 @@ def refill(state: dict, step: int) -> dict:
     state["step"] = step
     for d in state["many"].values():
         for a in d.values():
-            a.fill(step % 250) if hasattr(a, "fill") else a.fill_(step % 250)
+            if isinstance(a, np.ndarray):
+                a.fill(step % 250)
+            else:  # a torch tensor
+                a.fill_(step % 250)
     return state
 
 
@@ -107,14 +110,15 @@ def main() -> int:
     writer_pid = None
     with Checkpointer(store, every=1, keep=ckptstore.KeepLast(2), mode=args.mode, busy=args.busy,
                       on_event=say) as ck:
+        state = None
         for step in range(start + 1, args.steps + 1):
             if ck.writer_pid != writer_pid:
                 writer_pid = ck.writer_pid
                 say({"event": "writer", "pid": writer_pid})
-            if args.many:  # the same arrays updated in place (refill), as a model's are
-                state = refill(state, step) if step > start + 1 else state_at(step, args.size, args.many, args.torch)
-            else:
-                state = state_at(step, args.size)
+            if state is None or not args.many:
+                state = state_at(step, args.size, args.many, args.torch)
+            else:  # the same arrays updated in place, as a model's are
+                state = refill(state, step)
             ck.maybe_cut(step, state)
         ck.cut(args.steps + 1, state_at(args.steps + 1, args.size, args.many, args.torch), final=True)
     store.close()

@@ -26,32 +26,40 @@ def test_short_soak(tmp_path):
     assert max(rep.resumed_steps) > 0  # later runs really resumed from committed cuts
 
 
+def _kill_at_phase_and_resume(root: str, phase: str, *, size: int, many: int = 0) -> None:
+    """Runs soak_trainer (``--size``, ``--many``) until its 3rd ``phase`` (the first cuts commit, then it
+    dies inside a later one); checks that no writer outlived it, the invariant and recovery; then a
+    second run resumes from LATEST and ends with a final cut whose every array is the state of its step."""
+    args = ["--size", str(size)] + (["--many", str(many)] if many else [])
+    proc = subprocess.run([sys.executable, TRAINER, root, "--steps", "50", *args, "--busy", "wait",
+                           "--kill-at", f"{phase}:3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    committed = [e["step"] for e in events if e["event"] == "committed"]
+    writers = [e["pid"] for e in events if e["event"] == "writer" and e["pid"]]
+    assert writers and all(_gone(pid, 15) for pid in writers)  # no orphan writer
+    latest = check_store(root, max(committed) if committed else None, many)
+    with ckptstore.Store.open(root) as store:  # recovery
+        assert store.classify().leftovers == []
+        assert store.latest().step == latest
+    # the next run resumes from LATEST and continues into the same store
+    out = subprocess.run([sys.executable, TRAINER, root, "--steps", str((latest or 0) + 3), *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ev = [json.loads(line) for line in out.stdout.splitlines()]
+    assert ev[0] == {"event": "resumed", "step": latest or 0}
+    assert ckptstore.Store.open(root, readonly=True).latest().final
+    check_store(root, (latest or 0) + 4, many)  # the final cut, every array checked
+
+
 # "shard-written" fires where shards are written: in the writer process here (its deaths are covered
 # by the writer's fault tests and the soak), so the trainer-side sweep takes every other phase of a
 # cut of one rank ("rank-written" is a phase of cuts of several: tests/ranks and the crash table).
 @pytest.mark.parametrize("phase", [p for p in SAVE_PHASES if p not in ("shard-written", "rank-written")]
                          + ["prune-uncommitted", "prune-files-deleted"])
 def test_kill_trainer_at_each_phase_of_a_background_cut(tmp_path, phase):
-    root = str(tmp_path / "store")
-    # The 3rd occurrence: the first cuts commit, then the trainer dies inside a later one.
-    proc = subprocess.run([sys.executable, TRAINER, root, "--steps", "50", "--size", "20000", "--busy", "wait",
-                           "--kill-at", f"{phase}:3"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -9, proc.stderr
-    events = [json.loads(line) for line in proc.stdout.splitlines()]
-    committed = [e["step"] for e in events if e["event"] == "committed"]
-    writers = [e["pid"] for e in events if e["event"] == "writer" and e["pid"]]
-    assert writers and all(_gone(pid, 15) for pid in writers)  # no orphan writer
-    latest = check_store(root, max(committed) if committed else None)
-    with ckptstore.Store.open(root) as store:  # recovery
-        assert store.classify().leftovers == []
-        assert store.latest().step == latest
-    # the next run resumes from LATEST and continues into the same store
-    out = subprocess.run([sys.executable, TRAINER, root, "--steps", str((latest or 0) + 3), "--size", "20000"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    ev = [json.loads(line) for line in out.stdout.splitlines()]
-    assert ev[0] == {"event": "resumed", "step": latest or 0}
-    assert ckptstore.Store.open(root, readonly=True).latest().final
+    _kill_at_phase_and_resume(str(tmp_path / "store"), phase, size=20000)
 
 
 def test_short_soak_of_many_small_tensors(tmp_path):
@@ -72,21 +80,9 @@ def test_short_soak_of_many_small_tensors(tmp_path):
                                    "prune-files-deleted"])
 def test_kill_trainer_mid_cut_of_many_small_arrays(tmp_path, phase):
     """The kill sweep's phases with 3,000 small numpy arrays in the state (in place from the second cut)."""
-    root = str(tmp_path / "store")
-    args = ["--size", "1000", "--many", "3000", "--busy", "wait"]
-    proc = subprocess.run([sys.executable, TRAINER, root, "--steps", "50", *args, "--kill-at", f"{phase}:3"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -9, proc.stderr
-    events = [json.loads(line) for line in proc.stdout.splitlines()]
-    committed = [e["step"] for e in events if e["event"] == "committed"]
-    latest = check_store(root, max(committed) if committed else None, many=3000)
-    out = subprocess.run([sys.executable, TRAINER, root, "--steps", str((latest or 0) + 3), *args],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.splitlines()[0]) == {"event": "resumed", "step": latest or 0}
-    check_store(root, (latest or 0) + 4, many=3000)  # the final cut, every array checked
+    _kill_at_phase_and_resume(str(tmp_path / "store"), phase, size=1000, many=3000)
 
 
 def test_no_shared_memory_left_by_killed_trainers():
     assert leftover_segments(os.getpid()) == []
-    _ = np  # states are numpy-only so these subprocesses start without torch
+    _ = np  # the kill sweeps' states are numpy-only, so their subprocesses start without torch

@@ -162,7 +162,8 @@ def test_the_cut_has_many_shards_of_many_arrays(setup: Setup) -> None:
     assert len(shards) >= 3
     header, _ = _read_header(os.path.join(setup.url, "cuts", setup.new, shards[1]))
     assert len(header) > 50  # runs of small arrays: the bulk paths, not one array a file
-    assert Store.open(setup.url, readonly=True).manifest(setup.new).format_version == 4
+    with Store.open(setup.url, readonly=True) as ro:
+        assert ro.manifest(setup.new).format_version == 4
 
 
 @pytest.mark.parametrize("case", list(CASES))
