@@ -11,6 +11,8 @@ the cut holds: user classes come back as themselves only when named in ``allowed
 from __future__ import annotations
 
 import sys
+from itertools import compress
+from operator import attrgetter
 from typing import Any, Callable, Protocol, Sequence
 
 from .arrays import arrays_from, empty_for, finish_tensor
@@ -73,7 +75,10 @@ def load_manifest(
     objs = _read_arrays(storage, m, needed, partial=keys is not None, map_location=map_location, verify=verify,
                         where=where, taps=taps)
     leaf = _leaf_maker(objs, map_location, where)
-    return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where, records=index, allowed_types=allowed)
+    # On the CPU a plain array node is its array itself (``_leaf_maker``), looked up without a call.
+    plain = None if _on_device(map_location) else objs
+    return unflatten(tree, leaf, allow_pickle=allow_pickle, where=where, records=index, allowed_types=allowed,
+                     plain=plain)
 
 
 def _needed_arrays(m: Manifest, tree: dict[str, Any], index: dict[str, TensorRecord], keys: Sequence[str] | None,
@@ -96,12 +101,10 @@ def _read_arrays(storage: Storage, m: Manifest, needed: set[str], *, partial: bo
     """Array name -> the array read (and checked) for every name in ``needed``, shard by shard; a partial
     load (``partial``) reads only the byte ranges it needs of an uncompressed shard."""
     objs: dict[str, Any] = {}
-    by_file: dict[str, list[TensorRecord]] = {rec.name: [] for rec in m.files}
-    for t in m.tensors:  # one pass, not one per file (a cut of many shards of many arrays)
-        by_file[t.file].append(t)
+    by_file = _by_file(m)
     for rec in m.files:
         in_file = by_file[rec.name]
-        wanted = [t for t in in_file if t.name in needed]
+        wanted = list(compress(in_file, map(needed.__contains__, map(_name, in_file))))
         if not wanted:
             if taps is not None:  # read and checked for the taps all the same (attached files' shards)
                 _read_shard(storage, m, rec, in_file, needed, objs, verify=verify, reuses_buffers=True, taps=taps)
@@ -118,6 +121,21 @@ def _read_arrays(storage: Storage, m: Manifest, needed: set[str], *, partial: bo
                 if t.kind == "torch":
                     objs[t.name] = objs[t.name].to(map_location)
     return objs
+
+
+def _by_file(m: Manifest) -> dict[str, list[TensorRecord]]:
+    """File name -> the records of its arrays, in the manifest's order: one pass, not one per file (a
+    cut of many shards of many arrays), and none for a part of one file (every array is in a file of
+    the manifest: ``manifest._check_arrays``)."""
+    if len(m.files) == 1:
+        return {m.files[0].name: list(m.tensors)}
+    by_file: dict[str, list[TensorRecord]] = {rec.name: [] for rec in m.files}
+    for t in m.tensors:
+        by_file[t.file].append(t)
+    return by_file
+
+
+_name = attrgetter("name")
 
 
 def _read_ranges(storage: Storage, m: Manifest, rec: FileRecord, in_file: list[TensorRecord],
@@ -212,11 +230,11 @@ def _read_shard(storage: Storage, m: Manifest, rec: FileRecord, in_file: list[Te
 
     def take(run: Sequence[TensorRecord], data: memoryview, starts: list[int]) -> None:
         # A run of small arrays read in one piece: built together (issue 23), each its own storage.
-        picked = [k for k, t in enumerate(run) if t.name in wanted]
-        if len(picked) < len(run):
-            run, starts = [run[k] for k in picked], [starts[k] for k in picked]
+        picked = list(map(wanted.__contains__, map(_name, run)))
+        if not all(picked):
+            run, starts = list(compress(run, picked)), list(compress(starts, picked))
         if run:
-            objs.update(zip([t.name for t in run], _allocate_run(list(run), data, starts, where)))
+            objs.update(zip(map(_name, run), _allocate_run(list(run), data, starts, where)))
 
     tap = None if taps is None else taps.begin(rec)
     try:

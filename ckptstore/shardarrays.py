@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
+from operator import attrgetter
 from typing import Any, Callable, Protocol, Sequence
 
 from . import hashing
@@ -50,6 +51,7 @@ class TensorHashes:
         self._done: list[tuple[TensorRecord, bytes | Future[bytes]]] = []
         self._hasher: Any = None  # the current array's
         self._pooled = False
+        self._futures = False  # whether ``_done`` holds a Future
 
     def begin(self, t: TensorRecord) -> None:
         self._hasher = hashing.new_hasher(threads=hashing.AUTO if t.nbytes >= hashing.SMALL else 1)
@@ -68,19 +70,22 @@ class TensorHashes:
         if self._pooled:
             assert self._pool is not None
             self._done.append((t, self._pool.submit(self._hasher.digest)))
+            self._futures = True
         else:
             self._done.append((t, self._hasher.digest()))
 
     def spans(self, run: Sequence[TensorRecord], data: memoryview, starts: list[int], ends: list[int]) -> None:
         """The arrays of ``run`` (each under ``hashing.SMALL``), whose bytes are ``data[start:end]``:
         hashed now, inline, one call each."""
-        self._done.extend(zip(run, hashing.digest_each([data[a:b] for a, b in zip(starts, ends)])))
+        self._done.extend(zip(run, hashing.digest_each(map(data.__getitem__, map(slice, starts, ends)))))
 
     def digests(self) -> list[tuple[TensorRecord, bytes]]:
         """Every array's raw digest, in the order they were read; waits for the helper thread."""
         self.close()
         for f in self._updates:
             f.result()
+        if not self._futures:  # every digest hashed inline (a shard of small arrays): no pass over 40,000
+            return self._done
         return [(t, d if isinstance(d, bytes) else d.result()) for t, d in self._done]
 
     def close(self) -> None:
@@ -163,7 +168,7 @@ def _read_run(
     """A run of small arrays, contiguous in the file (the header was checked against the manifest),
     read in one call into ``scratch``, then hashed, handed to the sink and to ``take`` (else copied into
     ``dest(t)``) array by array."""
-    ends = list(itertools.accumulate(t.nbytes for t in run))
+    ends = list(itertools.accumulate(map(attrgetter("nbytes"), run)))
     starts = [0, *ends[:-1]]
     data = scratch[: ends[-1]]
     views = None if take is not None else [dest(t) for t in run]

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import errno
 import itertools
-from operator import add, attrgetter
+from operator import add, attrgetter, itemgetter
 from typing import Callable, Iterable, Sequence
 
 from . import hashing
 from .errors import CorruptCut, HashMismatch, MissingFile, StorageError, TruncatedFile
-from .format import SANE_INT, ShardHeader, encode_header, header_dtype, header_dtype_rule
+from .format import SANE_INT, ShardHeader, encode_header_columns, header_dtype, header_dtype_rule
 from .manifest import FileRecord, TensorRecord
 from .storage import Storage
 
@@ -36,9 +36,10 @@ def check_tensor_digests(digests: Iterable[tuple[TensorRecord, bytes]], where: d
     digests = list(digests)
     # One comparison of all the digests (issue 23: 40,000 arrays); the loop only runs to name the first bad one.
     # Every digest is 32 bytes and every record's 64 hex digits, so the joined strings are equal exactly
-    # when each pair is.
-    if (all(len(d) == 32 for _, d in digests)
-            and b"".join(d for _, d in digests).hex() == "".join(t.blake3 for t, _ in digests)):
+    # when each pair is. Columns by C-level passes (a generator each cost 0.2 us an array).
+    raw = list(map(itemgetter(1), digests))
+    if (set(map(len, raw)) <= {32}
+            and b"".join(raw).hex() == "".join(map(attrgetter("blake3"), map(itemgetter(0), digests)))):
         return
     for t, d in digests:
         got = d.hex()
@@ -82,25 +83,26 @@ def header_is_written_form(head: bytes, ordered: Sequence[TensorRecord], raw_nby
     A whole-file read checks this first (issue 23: decoding 40,000 entries and checking each cost 5 us
     a tensor; encoding the expected header costs a tenth of it); False sends it to the decoder and the
     entry-by-entry check, which name what differs or accept a header another writer formatted."""
-    nbytes = [t.nbytes for t in ordered]
+    # Column by column, each in one C-level pass (a Python step per array cost 1.5 us of a load's 20).
+    names, kinds, dtypes, shapes, nbytes, offsets = (list(map(attrgetter(f), ordered)) for f in
+                                                     ("name", "kind", "dtype", "shape", "nbytes", "offset"))
     ends = list(itertools.accumulate(nbytes))
-    if [t.offset for t in ordered] != [0, *ends[:-1]] or len(head) + (ends[-1] if ends else 0) != raw_nbytes:
+    if offsets != [0, *ends[:-1]] or len(head) + (ends[-1] if ends else 0) != raw_nbytes:
         return False
-    shapes = [t.shape for t in ordered]
     dims = list(itertools.chain.from_iterable(shapes))
     if dims and max(dims) >= SANE_INT:
         return False  # the decoder refuses such a size (HostileInput): let it say so
-    kinds, dtypes = [t.kind for t in ordered], [t.dtype for t in ordered]
+    pairs = list(zip(kinds, dtypes))
     try:
-        rules = {pair: header_dtype_rule(*pair) for pair in set(zip(kinds, dtypes))}
+        rules = {pair: header_dtype_rule(*pair) for pair in set(pairs)}
     except KeyError:
         return False
-    entries = []
-    for t, pair, shape, n in zip(ordered, zip(kinds, dtypes), shapes, nbytes):
-        st, as_bytes = rules[pair]
-        entries.append((t.name, st, [n] if as_bytes else shape, n))
+    st_dtypes = list(map({pair: st for pair, (st, _) in rules.items()}.__getitem__, pairs))
+    if any(as_bytes for _, as_bytes in rules.values()):  # a dtype safetensors lacks: its shape is [nbytes]
+        as_bytes_of = {pair: as_bytes for pair, (_, as_bytes) in rules.items()}
+        shapes = [[n] if as_bytes_of[pair] else shape for pair, shape, n in zip(pairs, shapes, nbytes)]
     try:
-        return encode_header(entries) == head
+        return encode_header_columns(names, st_dtypes, shapes, nbytes) == head
     except (ValueError, TypeError):  # a duplicate or reserved name: the decoder's check names it
         return False
 

@@ -10,6 +10,7 @@ are :mod:`ckptstore.shardcheck`'s. Every byte comes through a storage verb (``op
 
 from __future__ import annotations
 
+from operator import attrgetter, itemgetter
 from typing import BinaryIO, Callable, Sequence
 
 import zstandard
@@ -277,7 +278,8 @@ def _check_digests(stream: _RawStream, hashes: TensorHashes | None, head_bytes: 
     if hashes is not None:
         digests = hashes.digests()
         check_tensor_digests(digests, where)
-        got = hashing.file_digest_v2(head_bytes, [(t.nbytes, d) for t, d in digests])
+        got = hashing.file_digest_v2_columns(head_bytes, list(map(attrgetter("nbytes"), map(itemgetter(0), digests))),
+                                             list(map(itemgetter(1), digests)))
         check_file_digest_v2(record, got, where)
         if record.codec != "none":
             stream.check_stored()

@@ -47,6 +47,7 @@ _DECODE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, O
                   struct.error)
 _HEX_INT = re.compile(r"-?0x[0-9a-f]+")
 _LEAF_KINDS = {"tensor": "torch", "dtensor": "torch", "ndarray": "numpy"}
+_MISSING = object()
 _INT64 = (-(2**63), 2**63)
 
 
@@ -58,14 +59,23 @@ class _Builder:
 
     def __init__(self, leaf: Callable[[str, dict[str, Any]], Any], allow_pickle: bool, where: dict[str, Any],
                  *, records: Mapping[str, Any] | None = None, materialize: bool = True,
-                 allowed: Mapping[str, type] | None = None):
+                 allowed: Mapping[str, type] | None = None, plain: Mapping[str, Any] | None = None):
         self.leaf = leaf
+        self.plain = plain  # name -> what a plain array node decodes to (``unflatten``'s ``plain``)
         self.allowed = allowed or {}  # qualified name -> a class the caller named in allowed_types
         self.allow_pickle = allow_pickle
         self.where = where
         self.records = records
         self.materialize = materialize
+        self._children: dict[int, Callable[[Any], Any]] = {}  # depth -> ``child`` (``_child_of``)
 
+    def run(self, tree: Any) -> Any:
+        """``build(tree)``, then the children's decoders dropped: they refer to this builder, and the
+        cycle would keep the records and arrays it holds alive until the collector runs (issue 23)."""
+        try:
+            return self.build(tree)
+        finally:
+            self._children.clear()
 
     def bad(self, msg: str) -> CorruptCut:
         return CorruptCut(f"manifest tree: {msg}", **self.where)
@@ -118,7 +128,7 @@ class _Builder:
 
     def _dict(self, t: str, node: dict[str, Any], depth: int) -> Any:
         out: dict[Any, Any] = collections.OrderedDict() if self._flag(node, "ordered") else {}
-        build = self.build
+        child = self._child_of(depth + 1)
         for item in self._typed(node["items"], list):
             # ``_typed``'s checks inline (it raises): a state of 40,000 leaves walks this loop 40,000 times.
             if type(item) is not dict:
@@ -129,12 +139,60 @@ class _Builder:
                     self._typed(key, str)
             else:
                 key = self._typed(item["ik"], int)
-            out[key] = build(item["v"], depth + 1)
+            out[key] = child(item["v"])
         return out
 
     def _sequence(self, t: str, node: dict[str, Any], depth: int) -> Any:
-        items = [self.build(v, depth + 1) for v in self._typed(node["items"], list)]
+        items = list(map(self._child_of(depth + 1), self._typed(node["items"], list)))
         return items if t == "list" else tuple(items)
+
+    def _child_of(self, depth: int) -> Callable[[Any], Any]:
+        """``build(node, depth)`` for the children of a dict or sequence at ``depth``, with the two commonest
+        leaves of a state decoded inline: a plain array ``{"t": "tensor" | "ndarray", "name": <str>}`` whose
+        record is of the node's kind, and an ``{"t": "int", "v": <int>}`` (a state of 40,000 tensors has
+        40,000 of the first; the general path, a call per kind and per check, cost 2-3 us each, issue 23).
+        Each is exactly what ``_array`` and ``_int`` accept and return for such a node; anything else,
+        including every node these would refuse, goes to ``build``, which names what is wrong."""
+        child = self._children.get(depth)
+        if child is not None:
+            return child
+        build, leaf, records, materialize, bad = self.build, self.leaf, self.records, self.materialize, self.bad
+        plain = self.plain
+
+        def general(node: Any) -> Any:
+            return build(node, depth)
+
+        if records is None or depth > MAX_DEPTH:
+            child = self._children[depth] = general
+            return child
+
+        def child(node: Any) -> Any:
+            if type(node) is dict and len(node) == 2:
+                t = node.get("t")
+                if t == "tensor" or t == "ndarray":
+                    name = node.get("name")
+                    rec = records.get(name) if type(name) is str else None
+                    if rec is not None and rec.kind == _LEAF_KINDS[t]:
+                        if not materialize:
+                            return None
+                        if plain is not None:
+                            obj = plain.get(name, _MISSING)
+                            if obj is not _MISSING:
+                                return obj
+                        try:
+                            return leaf(name, node)
+                        except (CkptStoreError, RecursionError):
+                            raise
+                        except _DECODE_ERRORS as exc:  # as ``build`` reports what a leaf raises
+                            raise bad(f"malformed {t!r} node: {exc}") from None
+                elif t == "int":
+                    v = node.get("v")
+                    if type(v) is int:
+                        return v
+            return build(node, depth)
+
+        self._children[depth] = child
+        return child
 
     def _array(self, t: str, node: dict[str, Any], depth: int) -> Any:
         """A "tensor" or "ndarray" leaf: its flags, its record, and a tensor's view inside that array."""
@@ -263,26 +321,29 @@ def unflatten(
     where: dict[str, Any] | None = None,
     records: Mapping[str, Any] | None = None,
     allowed_types: Any = None,
+    plain: Mapping[str, Any] | None = None,
 ) -> Any:
     """Rebuilds a state from its tree; ``leaf(name, node)`` returns the array for a tensor, ndarray or
     dtensor node (for a dtensor node, its local shard: the caller gets the plain local tensor).
     ``records`` (name -> manifest record) checks each leaf against the array it names first. Any
     malformed node raises CorruptCut (HostileInput for a refused pickle). ``allowed_types`` (a list of
     classes) are the user classes that enum, dataclass, namedtuple, class and omegaconf nodes may come
-    back as, matched by qualified name; nothing is ever imported by a name the tree holds."""
+    back as, matched by qualified name; nothing is ever imported by a name the tree holds. ``plain``
+    (name -> object, with ``records``) is what ``leaf`` returns for a plain array node ``{"t": "tensor" |
+    "ndarray", "name"}`` of that name, taken without the call (names it lacks still go to ``leaf``)."""
     allowed = allowed_map(allowed_types, where)
-    return _Builder(leaf, allow_pickle, where or {}, records=records, allowed=allowed).build(tree)
+    return _Builder(leaf, allow_pickle, where or {}, records=records, allowed=allowed, plain=plain).run(tree)
 
 
 def check_tree(tree: Any, records: Mapping[str, Any], *, where: dict[str, Any] | None = None) -> None:
     """Raises CorruptCut unless ``unflatten`` would decode ``tree``: the same decoder, run without torch
     or numpy, building no array and unpickling nothing (pickle nodes must still be valid base64).
     ``records`` maps each array name to its manifest record (``kind``, ``shape``)."""
-    _Builder(lambda name, node: None, True, where or {}, records=records, materialize=False).build(tree)
+    _Builder(lambda name, node: None, True, where or {}, records=records, materialize=False).run(tree)
 
 
 def plain_shape(node: dict[str, Any]) -> Any:
     """What verify's check mode decodes ``node`` to: the plain shape, with arrays and torch values as
     None and pickles left unpickled (the encoder hashes a set element in this shape, so that what verify
     accepts, load loads)."""
-    return _Builder(lambda name, n: None, True, {}, materialize=False).build(node)
+    return _Builder(lambda name, n: None, True, {}, materialize=False).run(node)
