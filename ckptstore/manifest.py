@@ -24,6 +24,7 @@ from pydantic import Field, field_validator, model_validator
 from . import layout
 from .attached import AttachedFile, check_listing
 from .format import ST_ITEMSIZE
+from .jsontext import compact_bytes, table_text, tree_pieces
 from .models import CutId, FileName, StrictModel, json_key_count
 from .records import FIELDS, TABLE_KEYS, TensorRecord, TensorRows, records_to_rows, records_to_table, table_to_records
 
@@ -221,7 +222,8 @@ class Manifest(StrictModel):
     def to_bytes(self) -> bytes:
         """Versions 2-4: compact JSON (the C encoder; ``indent`` would force the pure-Python one, half a
         save of 40,000 small tensors); 4 with its arrays as a table. Version 1 keeps its pretty-printed
-        bytes."""
+        bytes. The tree's text reuses the remembered text of the subtrees it shares with the tree the
+        writer last captured (``TreeText``; the bytes are those of ``compact_json`` all the same)."""
         # A TensorRecord holds JSON values only (str, int, list of int), so its rows are what
         # model_dump would make of them, without the cost (0.3 s for 40,000 records). The tree is JSON
         # values already, and model_dump refuses one nested past ~250 levels (a state of 84 dicts).
@@ -232,17 +234,32 @@ class Manifest(StrictModel):
         doc = _document(self, {"tensors": tensors, "tree": self.tree})
         if self.format_version == 1:
             return (json.dumps(doc, indent=1, sort_keys=False) + "\n").encode()
-        return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+        # json.dumps(doc, separators) joins the items exactly so: '{' key ':' value (',' ...) '}'.
+        parts = [b"{"]
+        for i, (k, v) in enumerate(doc.items()):
+            parts.append((b"," if i else b"") + compact_bytes(k) + b":")
+            if k == "tree":
+                parts.extend(tree_pieces(self.tree))
+            elif k == "tensors" and self.format_version == TABLE_FORMAT_VERSION:
+                parts.append(table_text(tensors))
+            else:
+                parts.append(compact_bytes(v))
+        parts.append(b"}\n")
+        return b"".join(parts)
 
     def json_key_count(self) -> int:
         return _key_count(self)
+
+    @classmethod
+    def doc_key_floor(cls, doc: dict[str, Any]) -> int:
+        return _doc_key_floor(doc)
 
     @property
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.files)
 
     def tensor_index(self) -> dict[str, TensorRecord]:
-        return {t.name: t for t in self.tensors}
+        return dict(zip(map(attrgetter("name"), self.tensors), self.tensors))
 
 
 class RankRecord(StrictModel):
@@ -327,4 +344,5 @@ def _document(model: StrictModel, raw: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-__all__ = ["Manifest", "RankRecord", "RANKS_FORMAT_VERSION", "TABLE_FORMAT_VERSION", "FileRecord", "TensorRecord", "WriterIdentity", "ST_ITEMSIZE"]
+__all__ = ["Manifest", "RankRecord", "RANKS_FORMAT_VERSION", "TABLE_FORMAT_VERSION", "FileRecord", "TensorRecord",
+           "WriterIdentity", "ST_ITEMSIZE"]

@@ -47,6 +47,7 @@ from .info import CutInfo
 from .intent import CutIntent, ShardSpec
 from .kinds import StrKind
 from .lock import InheritedLock
+from .jsontext import remember_tree_text, tree_text
 from .manifest import FileRecord, Manifest, TensorRecord
 from .records import TensorColumns
 from .metachecks import NoticeKind
@@ -126,7 +127,7 @@ __all__ = [
     # a cut's records
     "CutIntent", "PendingCut", "RankPart", "ShardSpec", "CutInfo", "FileRecord", "Manifest", "TensorRecord", "TensorColumns",
     "AttachedFile", "FilesArg", "Source", "open_sources", "close_sources", "Policy", "policy_from_json",
-    "policy_to_json", "read_or_none",
+    "policy_to_json", "read_or_none", "remember_tree_text", "tree_text",
     # the state tree and its arrays
     "Leaf", "flatten", "unflatten", "has_pickle", "ArrayItem", "describe", "empty_for", "torch_dtype_name",
     "TORCH_DTYPES", "Flat", "LayoutCache",

@@ -166,7 +166,7 @@ def _assert_acyclic(graph: dict[str, set[str]]) -> None:
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["errors", "kinds", "version", "ident", "hashing", "events", "gcpause", "metachecks", "layout",
               "retention"]),
-    ("format", ["models", "format", "values", "tree.*", "arrays", "attached.*", "records", "manifest", "latest", "marks",
+    ("format", ["models", "format", "values", "tree.*", "arrays", "attached.*", "records", "jsontext", "manifest", "latest", "marks",
                 "labels", "info"]),
     ("storage", ["storage.*", "paths"]),
     ("cut", ["shardwrite", "shardarrays", "shardread", "shardcheck", "shards", "protocol", "options", "intent",

@@ -86,7 +86,7 @@ EXPECTED_SPI = [
     "classify", "lock_handoff", "open_participant", "point_latest", "rank_part", "record_bad", "shard_codec",
     "shard_spec", "CutIntent", "PendingCut", "RankPart", "ShardSpec", "CutInfo", "FileRecord", "Manifest",
     "TensorRecord", "TensorColumns", "AttachedFile", "FilesArg", "Source", "open_sources", "close_sources", "Policy",
-    "policy_from_json", "policy_to_json", "read_or_none", "Leaf",
+    "policy_from_json", "policy_to_json", "read_or_none", "remember_tree_text", "tree_text", "Leaf",
     "flatten", "unflatten", "has_pickle", "ArrayItem", "describe", "empty_for", "torch_dtype_name",
     "TORCH_DTYPES", "Flat", "LayoutCache", "write_shards", "read_header", "read_shard_into", "read_tensor_range",
     "check_header_matches", "Storage", "StorageSpec", "open_spec", "CommitProtocol", "ensure_marked",

@@ -8,24 +8,33 @@ and, from its mirror thread at any time, ``mirror-update`` (issue 21). Every
 message is a strict pydantic model: unknown kinds or fields are refused. When a ``write`` names a block
 the worker has not seen, the frame is followed by one byte carrying the block's file descriptor
 (SCM_RIGHTS): the block has no name to attach by (see ``shm.py``).
+
+Issue 23 (a state of 40,000 arrays): a ``write`` whose slots this writer was sent before names them by
+their ``layout`` number instead of listing them again; the tree of its ``finish`` plan travels as raw
+JSON right after the frame (``tree_bytes`` long), parsed by the worker only should it finish the cut
+alone; and ``done`` places each of the request's slots (file, offset, digest) instead of repeating
+their names, dtypes and shapes. Each side then handles a few columns where it had 40,000 records.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import select
 import socket
 import struct
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Sequence, Union
 
-from pydantic import Field, PlainSerializer, PlainValidator, TypeAdapter
+import pydantic_core
+from pydantic import Field, PlainSerializer, PlainValidator, PrivateAttr, TypeAdapter
 
 from ckptstore.errors import CkptStoreError, wire_form
 from ckptstore.spi import CutIntent, ShardSpec
-from ckptstore.spi import FileRecord, TensorColumns
-from ckptstore.spi import StrictModel
+from ckptstore.spi import FileRecord, TensorRecord
+from ckptstore.spi import StrictModel, pausing, tree_text
 
 from .plan import Slot
 
@@ -58,9 +67,20 @@ def _is_size(v: Any) -> bool:
     return type(v) is int and v >= 0
 
 
+#: The last tuple of slots found to be all ``Slot``s (a repeated layout's plan: checked once, not at
+#: every cut while the loop waits).
+_last_checked: tuple[Slot, ...] | None = None
+
+
+@pausing  # a first request of 40,000 slots makes 40,000 objects (see WriteDone.records)
 def _columns_to_slots(value: Any) -> list[Slot]:
     """The slots of the column form, checked as strictly as the dataclass form was (types, sizes)."""
+    global _last_checked
+    if value is _last_checked:
+        return value  # type: ignore[return-value]
     if type(value) in (list, tuple) and all(type(s) is Slot for s in value):
+        if type(value) is tuple:
+            _last_checked = value
         return value  # made in this process (a plan's own tuple keeps its identity: see above)
     if type(value) is not dict or value.keys() != set(_SLOT_FIELDS) or \
             not all(type(value[k]) is list for k in _SLOT_FIELDS):
@@ -118,7 +138,9 @@ class WriteRequest(StrictModel):
     step: int
     block: str
     block_size: int
-    slots: SlotColumns
+    #: None on the wire when this writer was sent the same slots before, under number ``layout``.
+    slots: SlotColumns | None
+    layout: int = Field(default=0, ge=0)
     shards: ShardSpec
     rank: int = 0
     finish: Finish | None = None
@@ -128,6 +150,45 @@ class WriteRequest(StrictModel):
     #: Whether every byte was in the block when this was sent (False while a CUDA device copy is still
     #: in flight: then only ``marked`` says the bytes are there, and a rescue without it writes nothing).
     block_complete: bool = True
+    #: Bytes of raw JSON after the frame: ``finish``'s tree (then None in the frame). The worker needs
+    #: the tree only to finish the cut alone, so it parses it then, not while the write waits.
+    tree_bytes: int = Field(default=0, ge=0, le=MAX_FRAME)
+    _tree_text: bytes | None = PrivateAttr(default=None)
+
+    def plan(self) -> Finish | None:
+        """``finish`` with its tree, parsed and checked here from the raw JSON that followed the frame
+        when it travelled there (a ValueError when that is no JSON object)."""
+        f, text = self.finish, self._tree_text
+        if f is None or f.tree is not None or text is None:
+            return f
+        try:
+            tree = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"the tree of cut {self.cut}'s request is not JSON: {exc}") from None
+        return Finish.model_validate({**dict(f), "tree": tree})
+
+
+def _wire_json(value: Any) -> bytes:
+    """Any JSON of ``value`` (the worker parses it back with ``json.loads``; NaN and infinities as
+    json writes them): pydantic-core's encoder, 4-6x json.dumps on a tree of 40,000 arrays."""
+    return pydantic_core.to_json(value)
+
+
+def on_the_wire(req: WriteRequest, *, layout: int, slots_known: bool) -> tuple[WriteRequest, bytes]:
+    """``req`` as it travels to a writer, and the bytes after its frame: its slots as ``layout``
+    (left out when ``slots_known``: this writer was sent them under that number), its finish plan's
+    tree as raw JSON after the frame, made of the text the manifest of the last cut remembered for
+    the subtrees this tree shares with it (``tree_text``: a repeated layout re-encodes only what
+    changed) and the rest encoded anew."""
+    update: dict[str, Any] = {"layout": layout}
+    if slots_known:
+        update["slots"] = None
+    tail = b""
+    f = req.finish
+    if f is not None and f.tree is not None:
+        tail = tree_text(f.tree, dumps=_wire_json)
+        update.update(finish=f.model_copy(update={"tree": None}), tree_bytes=len(tail))
+    return req.model_copy(update=update), tail
 
 
 class Marked(StrictModel):
@@ -150,12 +211,81 @@ class Progress(StrictModel):
     bytes_done: int
 
 
+_PLACED_KEYS = frozenset(("slot", "file", "offset", "blake3"))
+_HEX = re.compile(r"[0-9a-f]*")
+
+
+def _all_counts(values: list[Any]) -> bool:
+    """Every value a non-negative int (never a bool), in C-level passes."""
+    return set(map(type, values)) <= {int} and (not values or min(values) >= 0)
+
+
+def _check_placed(value: Any) -> dict[str, Any]:
+    """The ``placed`` columns of a ``done``, checked in bulk: exactly its keys, int columns of one
+    length, digests as 64 lowercase hex digits each; ``slot`` None (the request's order) or a list.
+    Whether they fit the request (a permutation of its slots, files listed) ``WriteDone.records`` checks."""
+    if type(value) is not dict or value.keys() != _PLACED_KEYS:
+        raise ValueError(f"placed must be an object with exactly the keys {sorted(_PLACED_KEYS)}")
+    order, files, offsets, digests = value["slot"], value["file"], value["offset"], value["blake3"]
+    if not (type(files) is list and type(offsets) is list and type(digests) is str
+            and (order is None or type(order) is list)):
+        raise ValueError("placed: file and offset must be lists, slot a list or null, blake3 a string")
+    n = len(files)
+    if len(offsets) != n or (order is not None and len(order) != n) or len(digests) != 64 * n:
+        raise ValueError(f"placed: every column must have {n} entries (and blake3 {64 * n} hex digits)")
+    if not (_all_counts(files) and _all_counts(offsets) and (order is None or _all_counts(order))):
+        raise ValueError("placed: slot, file and offset must be non-negative integers")
+    if not _HEX.fullmatch(digests):
+        raise ValueError("placed: blake3 must be lowercase hex digits")
+    return value
+
+
+#: A ``done``'s arrays: per record (in the order the shard writer wrote them) the index of its slot in
+#: the request (``slot``; null when that order is the request's), the index of its file in ``files``,
+#: its offset in the file's data and its blake3 (hex, concatenated).
+Placed = Annotated[dict[str, Any], PlainValidator(_check_placed)]
+_make_record = functools.partial(tuple.__new__, TensorRecord)  # a record from its 8 fields, at C speed
+
+
+def place(slots: Sequence[Slot], files: list[FileRecord], tensors: list[TensorRecord]) -> dict[str, Any]:
+    """The ``placed`` columns of ``tensors``, the records the shard writer returned for ``slots``."""
+    names = [t.name for t in tensors]
+    if names == [s.name for s in slots]:
+        order = None
+    else:
+        index = {s.name: i for i, s in enumerate(slots)}
+        order = [index[n] for n in names]
+    file_index = {f.name: i for i, f in enumerate(files)}
+    return {"slot": order, "file": [file_index[t.file] for t in tensors], "offset": [t.offset for t in tensors],
+            "blake3": "".join(t.blake3 for t in tensors)}
+
+
 class WriteDone(StrictModel):
     kind: Literal["done"] = "done"
     cut: str
     files: list[FileRecord]
-    tensors: TensorColumns  # one list per field (ckptstore.records): 40,000 records parse in bulk
+    placed: Placed  # where each slot of the request went (``place``): a few columns, not 40,000 records
     timings: dict[str, float]
+
+    @pausing  # 40,000 new records: the collector's passes over the trainer's heap cost 0.2-0.4 s
+    def records(self, slots: Sequence[Slot]) -> list[TensorRecord]:
+        """The manifest records of the arrays written: the request's ``slots`` (what each array is),
+        where ``placed`` says each went. A ValueError unless ``placed`` lists every slot once and
+        names files of ``files``."""
+        p, n = self.placed, len(slots)
+        order = p["slot"]
+        if len(p["file"]) != n:
+            raise ValueError(f"done places {len(p['file'])} arrays, the request has {n}")
+        if order is not None and (len(set(order)) != n or (n and max(order) >= n)):
+            raise ValueError("done's slot indexes are not each of the request's slots once")
+        if p["file"] and max(p["file"]) >= len(self.files):
+            raise ValueError(f"done names a file outside the {len(self.files)} it lists")
+        placed = slots if order is None else [slots[i] for i in order]
+        digests, names = p["blake3"], [f.name for f in self.files]
+        return list(map(_make_record, zip(
+            [s.name for s in placed], [s.kind for s in placed], [s.dtype for s in placed],
+            [list(s.shape) for s in placed], [s.nbytes for s in placed], [names[i] for i in p["file"]],
+            p["offset"], [digests[i:i + 64] for i in range(0, 64 * n, 64)])))
 
 
 class WriteFailed(StrictModel):
@@ -234,18 +364,22 @@ class ChannelClosed(EOFError):
     """The other end of the socket is gone."""
 
 
-def send(fd: int, msg: StrictModel) -> None:
+def send(fd: int, msg: StrictModel, tail: bytes = b"") -> None:
+    """One frame, and ``tail`` right after it (a request's ``tree_bytes`` of raw tree JSON)."""
     # pydantic-core's serializer: a request of 40,000 arrays (plus its tree) encodes in 0.1 s, where
     # model_dump + json.dumps took 0.8 s, and the request is encoded while the training loop waits.
     data = msg.model_dump_json().encode()
-    frame = struct.pack("<I", len(data)) + data
-    view = memoryview(frame)
-    while len(view):
+    parts: list[Any] = [p for p in (struct.pack("<I", len(data)), data, tail) if p]
+    while parts:
         try:
-            n = os.write(fd, view)
+            n = os.writev(fd, parts)
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise ChannelClosed("peer closed the socket") from exc
-        view = view[n:]
+        while parts and n >= len(parts[0]):  # drop what went; keep the rest of a part half sent
+            n -= len(parts.pop(0))
+        if parts and n:
+            parts[0] = memoryview(parts[0])[n:]
+        parts = [p for p in parts if len(p)]
 
 
 class FrameTimeout(TimeoutError):
@@ -288,12 +422,19 @@ def recv(fd: int, timeout: float | None = None) -> Message:
     (n,) = struct.unpack("<I", head)
     if n > MAX_FRAME:
         raise ValueError(f"frame of {n} bytes exceeds the protocol limit")
-    body = _read_exact(fd, n, time.monotonic() + FRAME_S)
+    deadline = time.monotonic() + FRAME_S
+    body = _read_exact(fd, n, deadline)
     try:
-        return _ADAPTER.validate_json(body, strict=False)
+        msg = _ADAPTER.validate_json(body, strict=False)
     except ValueError:
         json.loads(body.decode())  # not JSON at all: say so as json does
         raise
+    if isinstance(msg, WriteRequest) and msg.tree_bytes:
+        text = _read_exact(fd, msg.tree_bytes, deadline)  # read first: the channel stays in step
+        if msg.finish is None or msg.finish.tree is not None:
+            raise ValueError("a write carries tree bytes only for a finish plan without its tree")
+        msg._tree_text = text
+    return msg
 
 
 def send_fd(sock_fd: int, fd: int) -> None:

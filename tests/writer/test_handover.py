@@ -52,12 +52,12 @@ CHILD = textwrap.dedent("""
     elif point == "mid-send":
         real = P.send
 
-        def send(fd, msg):
+        def send(fd, msg, tail=b""):
             if isinstance(msg, P.WriteRequest):  # half a frame reaches the socket, then the trainer dies
                 data = msg.model_dump_json().encode()
                 os.write(fd, len(data).to_bytes(4, "little") + data[: len(data) // 2])
                 die()
-            real(fd, msg)
+            real(fd, msg, tail)
 
         P.send = send
     print(json.dumps({"first": first.id, "writer_pid": ck.writer_pid}), flush=True)
