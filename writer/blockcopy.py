@@ -32,7 +32,7 @@ import bisect
 import operator
 from typing import Any, Callable, Sequence
 
-from .plan import Slot, align
+from .plan import ALIGN, Slot, align
 from .shm import Block
 
 #: The fewest slots a ``cat`` run takes: below it a cat call (~4 us) costs more than the
@@ -59,8 +59,8 @@ class _Copies:
                  at: Callable[[int], int] | None = None) -> None:
         es = dtype.itemsize
         typed = base[:base.numel() - base.numel() % es].view(dtype)
-        # Offsets are page-aligned in the block (and in a stage buffer: runs start aligned there too),
-        # so each is a multiple of the element size.
+        # Offsets are multiples of the element size in the block (page-aligned, or packed at their
+        # natural alignment: plan.pack_align) and in a stage buffer (a run keeps its place in a page).
         where = (lambda o: o // es) if at is None else (lambda o: at(o) // es)
         runs, rest = _runs_of(slots, leaves)
         self.runs = []
@@ -213,8 +213,9 @@ class BlockCopy:
 
 def _block_runs(slots: Sequence[Slot], idx: list[int]) -> list[tuple[int, int, int]]:
     """(block start, block end, buffer start) of each run of slots ``idx`` (sorted) that are consecutive
-    in the plan: one copy covers a run and the padding inside it. Runs start page-aligned in the
-    buffer as in the block, so every slot keeps its alignment."""
+    in the plan: one copy covers a run and the padding inside it. A run starts in the buffer at the
+    place within a page its start has in the block (sub-page slots are packed, ``plan.pack_align``:
+    a run may start mid-page), so every slot keeps its alignment."""
     runs: list[tuple[int, int, int]] = []
     prev = -2
     for i in idx:
@@ -224,7 +225,7 @@ def _block_runs(slots: Sequence[Slot], idx: list[int]) -> list[tuple[int, int, i
             runs[-1] = (lo, s.offset + s.nbytes, at)
         else:
             at = align(runs[-1][2] + runs[-1][1] - runs[-1][0]) if runs else 0
-            runs.append((s.offset, s.offset + s.nbytes, at))
+            runs.append((s.offset, s.offset + s.nbytes, at + s.offset % ALIGN))
         prev = i
     return runs
 

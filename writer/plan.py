@@ -1,7 +1,14 @@
 """Lays the arrays of a state out in one shared block (pure: no I/O, no torch).
 
-Each array gets a page-aligned region, so the writer can hand any region to an O_DIRECT write and a
-CUDA copy lands on an aligned host address.
+An array of at least a page (``ALIGN`` bytes) gets a page-aligned region, so the writer can hand it to
+an O_DIRECT write and a CUDA copy lands on an aligned host address. A smaller one is packed: it starts
+right where the slot before it ends, rounded up to its natural alignment (``pack_align``), sharing its
+page with its neighbours (issue 23: 100,000 tensors of 12 bytes took a page each, 410 MB of block for
+1.2 MB of data; packed, 1.2 MB, and back to back they are one ``cat`` run of the batched copy, not
+100,000 views of ~600 bytes kept between cuts). Nothing relies on a wider alignment of so small a slot:
+the shard sink copies any piece under its zero-copy minimum (64 KiB) into its own aligned buffers, a
+typed view needs its offset to be a multiple of the element size only, numpy takes any offset, and the
+shards' bytes do not depend on offsets in the block at all.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from typing import Any, Iterable, Literal
 from ckptstore.spi import ArrayItem
 
 ALIGN = 4096
+#: The widest alignment a packed (sub-page) slot gets: the largest element size (complex128).
+PACK = 16
 
 
 @dataclass(frozen=True, slots=True)  # slots: a plan of 100,000 arrays holds 100,000 of them
@@ -47,17 +56,31 @@ def align(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
+def pack_align(nbytes: int) -> int:
+    """The alignment of a sub-page array of ``nbytes``: the largest power of two dividing its size, at
+    most ``PACK``. Every element size is a power of two up to ``PACK`` and divides the array's size,
+    so this is a multiple of it: ``nbytes`` alone says it, without the dtype."""
+    return min(nbytes & -nbytes, PACK) if nbytes else PACK
+
+
+def slot_start(end: int, nbytes: int) -> int:
+    """Where an array of ``nbytes`` goes when the slot before it ends at ``end``: the next page for
+    an array of a page or more, the next multiple of :func:`pack_align` for a smaller one."""
+    return align(end, ALIGN if nbytes >= ALIGN else pack_align(nbytes))
+
+
 def plan_block(arrays: Iterable[tuple[str, str, str, tuple[int, ...], int]], start: int = 0) -> BlockPlan:
-    """``arrays`` are (name, kind, dtype, shape, nbytes) in state order; returns their slots, the first
-    at ``start`` (aligned)."""
+    """``arrays`` are (name, kind, dtype, shape, nbytes) in state order; returns their slots, laid out
+    from ``start`` on (the end of the slots before them), each aligned as :func:`slot_start` says."""
     slots = []
-    offset = start
+    end = start
     seen: dict[Any, Any] = {}  # one object per distinct shape and size (a state has few of them)
     for name, kind, dtype, shape, nbytes in arrays:
         shape = tuple(shape)
+        offset = slot_start(end, nbytes)
         slots.append(Slot(name, kind, dtype, seen.setdefault(shape, shape), seen.setdefault(nbytes, nbytes), offset))
-        offset = align(offset + nbytes)
-    return BlockPlan(tuple(slots), max(offset, ALIGN))
+        end = offset + nbytes
+    return BlockPlan(tuple(slots), max(align(end), ALIGN))
 
 
 def extend_plan(plan: BlockPlan, arrays: list[tuple[str, str, str, tuple[int, ...], int]]) -> BlockPlan:
@@ -67,7 +90,7 @@ def extend_plan(plan: BlockPlan, arrays: list[tuple[str, str, str, tuple[int, ..
     if not arrays:
         return plan
     last = plan.slots[-1] if plan.slots else None
-    more = plan_block(arrays, start=align(last.offset + last.nbytes) if last is not None else 0)
+    more = plan_block(arrays, start=last.offset + last.nbytes if last is not None else 0)
     return BlockPlan(plan.slots + more.slots, more.nbytes)
 
 

@@ -6,7 +6,8 @@ template of its containers, ``template``), what each array node was made from, a
 every tensor met (per tensor node in tree order: type, data_ptr, storage offset, shape, stride, dtype,
 device, requires_grad). The next state is walked container by container (never tensor by tensor: the
 tensors of a container are collected with one list operation, and their signature is read with one
-``map`` per attribute and compared list to list). If the
+``map`` per attribute and compared column by column: the layout keeps each column compact, see
+``_Coded``). If the
 structure and the signature match, the tree is the cached one with its non-array values encoded anew,
 and the arrays are the same leaves; anything else (a key, an order, a container type, a shape, a dtype,
 a storage, a Parameter that is no longer one, a value that became a tensor) is a miss, and the state is
@@ -52,8 +53,9 @@ _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 #: Signature attributes kept as machine integers (8 bytes each, not a 32-byte int object): the
-#: addresses and storage offsets. The others are few distinct values (shapes, strides, dtypes,
-#: devices), kept once each (``_interned``): a signature costs ~70 bytes a tensor.
+#: addresses and storage offsets. The others (type, shape, stride, dtype, device, requires_grad) take
+#: few distinct values: each is kept as a :class:`_Coded` column (issue 23: the plain lists cost 48
+#: bytes a tensor between cuts; coded, ~0-6).
 _AS_ARRAY = {0: "Q", 1: "q"}
 
 
@@ -62,33 +64,72 @@ def _read(k: int, get: Any, tensors: list[Any]) -> Any:
     return array.array(code, map(get, tensors)) if code is not None else list(map(get, tensors))
 
 
-def _interned(values: list[Any]) -> list[Any]:
-    """``values`` with equal values made one object (40,000 tensors have a few distinct shapes)."""
-    seen: dict[Any, Any] = {}
-    return [seen.setdefault(v, v) for v in values]
+class _Coded:
+    """A column of few distinct values, compact: the one value of a uniform column (the common state:
+    one dtype, one device, one type), else each value's index into the table of its distinct values,
+    in a machine-integer array. ``same`` compares a fresh list of values with C-level passes, with
+    ``==`` as the lists compared before (equal values hash alike for every attribute held here)."""
+
+    __slots__ = ("n", "one", "table", "codes")
+
+    def __init__(self, values: list[Any]) -> None:
+        self.n = len(values)
+        self.one: Any = values[0] if values else None
+        self.table: dict[Any, int] | None = None
+        self.codes: Any = None
+        if values and values.count(self.one) != self.n:
+            table: dict[Any, int] = {}
+            for v in values:
+                table.setdefault(v, len(table))
+            self.table = table
+            self.codes = array.array(_code_for(len(table)), map(table.__getitem__, values))
+
+    def same(self, values: list[Any]) -> bool:
+        if len(values) != self.n:
+            return False
+        if self.table is None:
+            return not values or values.count(self.one) == self.n
+        try:
+            codes = array.array(self.codes.typecode, map(self.table.__getitem__, values))
+        except KeyError:  # a value this column never held
+            return False
+        return codes == self.codes
+
+
+def _code_for(distinct: int) -> str:
+    return "B" if distinct <= 1 << 8 else "H" if distinct <= 1 << 16 else "I"
 
 
 def _signature(tensors: list[Any]) -> list[Any]:
-    """Per attribute, its value for every tensor in ``tensors`` (type first)."""
+    """Per attribute, its value for every tensor in ``tensors`` (type first): arrays of the addresses
+    and offsets, lists of the rest (what :func:`_compact` keeps and :func:`_flag_shared` reads)."""
     if not tensors:
         return [[] for _ in range(8)]
     sig: list[Any] = [list(map(type, tensors))]
     for k, get in enumerate(_getters()):
-        values = _read(k, get, tensors)
-        sig.append(values if k in _AS_ARRAY else _interned(values))
+        sig.append(_read(k, get, tensors))
     return sig
 
 
+def _compact(sig: list[Any]) -> list[Any]:
+    """``sig`` as a layout keeps it: the arrays as they are, every list as a :class:`_Coded` column."""
+    return [col if isinstance(col, array.array) else _Coded(col) for col in sig]
+
+
 def _same_signature(tensors: list[Any], sig: list[Any]) -> bool:
-    """Whether ``tensors`` have signature ``sig``: attribute by attribute, stopping at the first that
-    differs (a wrong type stops it before a getter could raise)."""
-    if len(tensors) != len(sig[0]):
+    """Whether ``tensors`` have the signature ``sig`` (:func:`_compact`'s): attribute by attribute,
+    stopping at the first that differs (a wrong type stops it before a getter could raise)."""
+    if len(tensors) != sig[0].n:
         return False
     if not tensors:
         return True
-    if list(map(type, tensors)) != sig[0]:
+    if not sig[0].same(list(map(type, tensors))):
         return False
-    return all(_read(k, get, tensors) == want for k, (get, want) in enumerate(zip(_getters(), sig[1:])))
+    for k, (get, want) in enumerate(zip(_getters(), sig[1:])):
+        got = _read(k, get, tensors)
+        if not (got == want if k in _AS_ARRAY else want.same(got)):
+            return False
+    return True
 
 
 def _bits(t: Any) -> tuple[bool, bool]:
@@ -124,7 +165,7 @@ class Layout:
         self.allow_pickle = allow_pickle
         self.reusable = False
         self._root: Container | None = None
-        self._sig: list[Any] = []  # _signature's lists and arrays
+        self._sig: list[Any] = []  # _compact(_signature(...)): arrays and coded columns
         self._array_sig: list[tuple[Any, Any, Any]] = []  # (type, dtype, shape) of each numpy array met
         self._flagged: list[tuple[int, tuple[bool, bool]]] = []  # (tensor, its conj and neg bits)
         self._pick: Any = None  # tensors + arrays met -> the leaf sources (None: they are the leaves)
@@ -177,13 +218,14 @@ class Layout:
                 or not layout._map_leaves(f, w)):
             return layout
         layout._root = root
-        layout._sig = _signature(w.tensors)
+        sig = _signature(w.tensors)
         layout._array_sig = [(type(a), a.dtype, a.shape) for a in w.arrays]
         torch_leaves = len(leaves) - len(w.arrays)
         # Some storage holds two of the tensors met, or one is a conjugate/negative view (its own leaf,
         # whose base's storage it shares: the same view without the bit would be a view of the base).
         if f.shared or len(w.tensors) != torch_leaves or any(_bits(t) != (False, False) for t in w.tensors):
-            layout._flagged = _flag_shared(w.tensors, layout._sig)
+            layout._flagged = _flag_shared(w.tensors, sig)
+        layout._sig = _compact(sig)
         layout.reusable = _same_objects(layout._sources(w), leaves)
         return layout
 
