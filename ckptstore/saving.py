@@ -12,10 +12,11 @@ The bytes on disk are those of the protocol's steps (:mod:`ckptstore.protocol`),
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any, Sequence
 
-from .arrays import ArrayItem, describe_all
+from .arrays import ArrayItem, describe_all, plain_describer
 from .attached import AttachedFile, FilesArg, close_sources, open_sources
 from .collective import Collective
 from .core import StoreCore
@@ -24,7 +25,8 @@ from .errors import StorageError, UsageError
 from .info import CutInfo
 from .intent import CutIntent
 from .pending import PendingCut, RankPart
-from .tree import flatten, has_pickle
+from .tree import has_pickle
+from .tree.encode import walk
 
 
 def save(store: StoreCore, state: Any, *, step: int, tags: Sequence[str], final: bool,
@@ -102,8 +104,9 @@ def _save(store: StoreCore, c: Collective, state: Any, *, step: int, tags: Seque
 def prepare_state(state: Any, files: FilesArg | None, allow_pickle: bool, url: str
                   ) -> tuple[dict[str, Any], list[ArrayItem], bool, list[AttachedFile]]:
     """What a synchronous save writes: the state's tree and arrays, then the attached files' bytes."""
-    tree, leaves = flatten(state, allow_pickle=allow_pickle)
-    items = describe_all(leaves)
+    # The flatten describes the plain tensors it meets (issue 23): one read of each attribute a tensor.
+    f = walk(state, allow_pickle, plain_describer() if sys.modules.get("torch") is not None else None)
+    tree, items = f.tree, describe_all(f.leaves)
     sources = open_sources(files, where={"store": url})
     try:
         items += [s.item(where={"store": url}) for s in sources]

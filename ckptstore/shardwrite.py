@@ -20,7 +20,8 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from operator import attrgetter
+from typing import Any, Callable, Iterator, Sequence
 
 import zstandard
 
@@ -32,6 +33,9 @@ from .manifest import FileRecord, TensorRecord
 from .records import make_record
 from .storage import Sink, Storage
 from .storage.sink import ZERO_COPY_MIN
+
+_NBYTES = attrgetter("nbytes")
+_DATA = attrgetter("data")
 
 PIECE = 8 << 20
 #: Arrays smaller than this are gathered (``_write_gathered``); the sink would copy them anyway, since
@@ -53,6 +57,9 @@ class Codec:
 def plan_shards(items: Sequence[ArrayItem], max_shard_bytes: int) -> list[list[ArrayItem]]:
     """Greedy split in state order: a shard closes once it reaches ``max_shard_bytes`` (an array larger
     than that gets a shard of its own). Always at least one shard, so every cut has a file."""
+    sizes = list(map(_NBYTES, items))
+    if sum(sizes) <= max_shard_bytes:  # the common small state: one shard, no Python step per array
+        return [list(items)]
     shards: list[list[ArrayItem]] = [[]]
     size = 0
     for item in items:
@@ -71,10 +78,11 @@ def file_order(items: Sequence[ArrayItem]) -> list[ArrayItem]:
     from page-aligned memory (the writer's shared block); the odd-sized tail (biases of odd widths,
     scalars, counters) is small and goes through the sink's staging buffer. Readers never depend on
     the order: the header and the manifest give every array's offsets."""
-    aligned = [it for it in items if it.nbytes % DATA_ALIGN == 0]
-    if len(aligned) == len(items):
+    odd = [n % DATA_ALIGN for n in map(_NBYTES, items)]
+    if not any(odd):
         return list(items)
-    return aligned + [it for it in items if it.nbytes % DATA_ALIGN]  # a stable partition, as sorted() was
+    aligned = list(itertools.compress(items, [not r for r in odd]))
+    return aligned + list(itertools.compress(items, odd))  # a stable partition, as sorted() was
 
 
 class _Compressing:
@@ -129,39 +137,52 @@ def _stream_arrays(
     pool = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-hash") \
         if hash_threads != 1 and max(sizes, default=0) >= GATHER_BELOW else None
     try:
-        i = 0
-        while i < len(items):
-            if sizes[i] >= GATHER_BELOW:
+        for i, j, run in _spans(sizes):
+            if run is None:
                 digests.append(_write_pieces(out, items[i], times, pool, hash_threads, on_bytes))
-                i += 1
                 continue
-            j, run = i, 0
-            while j < len(items) and sizes[j] < GATHER_BELOW and run + sizes[j] <= BATCH:
-                run += sizes[j]
-                j += 1
             if stage is None:
                 stage = memoryview(bytearray(BATCH))
-            digests += _write_gathered(out, items[i:j], run, stage, times, on_bytes)
-            i = j
+            digests += _write_gathered(out, items[i:j], sizes[i:j], run, stage, times, on_bytes)
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
     return digests
 
 
-def _write_gathered(out: Any, run: Sequence[ArrayItem], nbytes: int, stage: memoryview, times: _Times,
-                    on_bytes: Callable[[int], None] | None) -> list[bytes]:
-    """Hashes each array of ``run`` (small arrays, ``nbytes`` in all, at most ``BATCH``) and writes them
-    as one piece gathered in ``stage``; returns their digests."""
+def _spans(sizes: list[int]) -> Iterator[tuple[int, int, int | None]]:
+    """The arrays of ``sizes`` in write order as spans ``[i, j)`` with their bytes in all: one array of
+    ``GATHER_BELOW`` bytes or more alone (``None`` for its bytes: it is written in pieces), else runs
+    of smaller arrays of at most ``BATCH`` bytes (a single array when one is larger)."""
+    start = run = 0
+    for j, n in enumerate(sizes):
+        if n >= GATHER_BELOW:
+            if j > start:
+                yield start, j, run
+            yield j, j + 1, None
+            start, run = j + 1, 0
+        elif run + n > BATCH and j > start:
+            yield start, j, run
+            start, run = j, n
+        else:
+            run += n
+    if len(sizes) > start:
+        yield start, len(sizes), run
+
+
+def _write_gathered(out: Any, run: Sequence[ArrayItem], sizes: list[int], nbytes: int, stage: memoryview,
+                    times: _Times, on_bytes: Callable[[int], None] | None) -> list[bytes]:
+    """Hashes each array of ``run`` (small arrays of ``sizes``, ``nbytes`` in all, at most ``BATCH``) and
+    writes them as one piece gathered in ``stage``; returns their digests."""
     clock = time.perf_counter
-    views = [it.data for it in run]
+    views = list(map(_DATA, run))
     t0 = clock()
     digests = hashing.digest_each(views)
     t1 = clock()
     fill = 0
-    for it, view in zip(run, views):
-        end = fill + it.nbytes
-        # A view that is not it.nbytes bytes long fails here, as it would corrupt every later offset.
+    for view, n in zip(views, sizes):
+        end = fill + n
+        # A view that is not nbytes long fails here, as it would corrupt every later offset.
         stage[fill:end] = view
         fill = end
     if nbytes:
@@ -215,17 +236,14 @@ class _Columns:
     stream, the file digest and the records."""
 
     def __init__(self, items: Sequence[ArrayItem]) -> None:
-        self.names = [it.name for it in items]
-        self.kinds = [it.kind for it in items]
-        self.dtypes = [it.dtype for it in items]
-        self.shapes = [it.shape for it in items]
-        self.sizes = [it.nbytes for it in items]
+        self.names, self.kinds, self.dtypes, self.shapes, self.sizes = (
+            list(map(attrgetter(f), items)) for f in ("name", "kind", "dtype", "shape", "nbytes"))
 
     def header(self) -> bytes:
         """The shard header, each array's header dtype decided once per (kind, dtype) of the shard."""
         pairs = list(zip(self.kinds, self.dtypes))
         rules = {kd: header_dtype_rule(*kd) for kd in set(pairs)}
-        st_dtypes = [rules[kd][0] for kd in pairs]
+        st_dtypes = list(map({kd: rule[0] for kd, rule in rules.items()}.__getitem__, pairs))
         shapes: list[Any] = self.shapes
         if any(as_bytes for _, as_bytes in rules.values()):  # dtypes safetensors has no name for: U8 bytes
             shapes = [[n] if rules[kd][1] else s for kd, s, n in zip(pairs, shapes, self.sizes)]
@@ -235,8 +253,11 @@ class _Columns:
         """The arrays' manifest records, from the bytes just written; the manifest checks every record
         in bulk when it is built and whenever it is read back (ckptstore.records)."""
         offsets = [0, *itertools.accumulate(self.sizes)][: len(self.sizes)]
-        return list(map(make_record, zip(self.names, self.kinds, self.dtypes, map(list, self.shapes), self.sizes,
-                                         itertools.repeat(name), offsets, map(bytes.hex, digests))))
+        # One shape list per distinct shape, shared by its records (a state repeats a few shapes; records
+        # are never changed in place): 40,000 fewer lists to make and for the collector to walk.
+        lists = {shape: list(shape) for shape in set(self.shapes)}
+        return list(map(make_record, zip(self.names, self.kinds, self.dtypes, map(lists.__getitem__, self.shapes),
+                                         self.sizes, itertools.repeat(name), offsets, map(bytes.hex, digests))))
 
 
 def write_shard(

@@ -16,9 +16,10 @@ import math
 import pickle
 import struct
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import UnsupportedValue
+from ..format import TORCH_DTYPES
 from ..values import encode, why_refused
 from .decode import plain_shape
 from .dtensor import dtensor_layout
@@ -27,6 +28,8 @@ from .views import share_storages
 
 MAX_NAME = 4000  # array names (key paths) stay below the manifest's 4096-character bound
 MAX_LISTED = 20  # refused values named in one UnsupportedValue; the rest are counted
+#: ``walk``'s describer: (name, tensor, shape, dtype, data_ptr) -> the leaf's item, or None.
+Describer = Callable[[str, Any, Any, Any, int], Any]
 
 
 def _float_node(v: float) -> dict[str, Any]:
@@ -50,30 +53,46 @@ def _special(v: float) -> str:
     return "bits:" + struct.pack("<d", v).hex()
 
 
+def _part(k: Any) -> str:
+    """One key of a key path, escaped as ``nodes.key_path`` escapes it (most keys need nothing)."""
+    s = k if type(k) is str else str(k)
+    if "~" in s or "/" in s:
+        s = s.replace("~", "~0").replace("/", "~1")
+    return s
+
+
+def _joined(path: tuple[Any, ...]) -> str:
+    return "/".join(map(_part, path))
+
+
 def _key_path(path: tuple[Any, ...]) -> str:
     """``nodes.key_path`` (the same string) at half the cost: most keys need no escaping, and a str
-    key is its own ``str``. Every leaf of a state is named through it."""
-    parts = []
-    for k in path:
-        s = k if type(k) is str else str(k)
-        if "~" in s or "/" in s:
-            s = s.replace("~", "~0").replace("/", "~1")
-        parts.append(s)
-    return "/".join(parts) or "<root>"
+    key is its own ``str``."""
+    return _joined(path) or "<root>"
+
+
+def _identity(t: Any, skey: tuple[int, str]) -> tuple[Any, ...]:
+    """What makes two tensors over one storage (``skey``: its address and device type) one array."""
+    return (skey[0], t.storage_offset(), t.shape, t.stride(), t.dtype, skey[1])
 
 
 class Flattener:
     """One ``flatten`` walk: the leaves and names so far, the identities that make a shared tensor one
     leaf, and the DTensor layouts already computed; ``node`` encodes one value."""
 
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, describer: Describer | None = None) -> None:
         self.allow_pickle = allow_pickle
+        # A save's flatten describes each plain leaf as it meets it (``Leaf.item``), from the attributes
+        # read here anyway (issue 23: describing again read ten of them a second time).
+        self.describer = describer
         self.leaves: list[Leaf] = []
         # The name of each "tensor" and each "ndarray" node made, in tree order (before share_storages
         # renames merged views): how ``layoutcache`` maps a state's tensors to its leaves.
         self.tensor_names: list[str] = []
         self.array_names: list[str] = []
         self.names: set[str] = set()
+        # ``_identity`` -> the leaf name, for the tensors over a storage that holds more than one (``_tied``),
+        # and the DTensor local shards.
         self.by_identity: dict[tuple[Any, ...], str] = {}
         # (storage data_ptr, device type) -> the first torch leaf over that storage; a second distinct view
         # of it starts a group in ``shared`` (see share_storages). One dict lookup a tensor: the common
@@ -86,6 +105,8 @@ class Flattener:
         self.tensor_type = torch.Tensor if torch is not None else None
         self.param_type = torch.nn.Parameter if torch is not None else None
         self.strided = torch.strided if torch is not None else None
+        self.stored_dtypes = frozenset(getattr(torch, n) for n in TORCH_DTYPES if hasattr(torch, n)) \
+            if torch is not None else frozenset()
         self.devtypes: dict[Any, str] = {}  # torch.device -> its type ("cuda"): ``device.type`` costs ~0.4 us
         # DTensor only if the caller loaded torch.distributed.tensor (a state cannot hold one otherwise).
         self.dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
@@ -109,8 +130,11 @@ class Flattener:
     def holds_arrays(self, node: dict[str, Any]) -> bool:
         return bool(leaf_names(node))
 
-    def _name(self, path: tuple[Any, ...]) -> str:
-        base = _key_path(path)
+    def _name(self, path: tuple[Any, ...], base: str | None = None) -> str:
+        """The leaf name of ``path``: its key path (``base``, when the caller built it from its
+        container's prefix), made unique with a ``~~n`` suffix."""
+        if base is None:
+            base = _key_path(path)
         if len(base) > MAX_NAME:
             raise UnsupportedValue(f"key path {base[:80]!r}... is {len(base)} characters; the limit is {MAX_NAME}")
         name, n = base, 1
@@ -134,6 +158,10 @@ class Flattener:
             return _float_node(value)
         if typ is str:
             return {"t": "str", "v": value}
+        if typ is dict or typ is collections.OrderedDict:
+            return self._dict(value, path)
+        if typ is list or typ is tuple:
+            return self._seq(value, path)
         torch, np = self.torch, self.np
         if value is None:
             return {"t": "none"}
@@ -161,21 +189,6 @@ class Flattener:
             return {"t": "str", "v": value}
         if type(value) in (bytes, bytearray):
             return {"t": "bytes", "v": base64.b64encode(value).decode(), "mutable": type(value) is bytearray}
-        if type(value) in (dict, collections.OrderedDict):
-            items = []
-            for k, v in value.items():
-                if type(k) is str:
-                    items.append({"k": k, "v": self.node(v, path + (k,))})
-                elif type(k) is int and k.bit_length() <= MAX_JSON_INT_BITS:
-                    items.append({"ik": k, "v": self.node(v, path + (k,))})
-                elif type(k) is int:
-                    self.refuse(path, f"a dict key is an int wider than {MAX_JSON_INT_BITS} bits; use a str key")
-                else:
-                    self.refuse(path, f"dict key {repr(k)[:60]} is a {type(k).__name__}; keys must be str or int")
-            return {"t": "dict", "ordered": type(value) is collections.OrderedDict, "items": items}
-        if type(value) in (list, tuple):
-            kind = "list" if type(value) is list else "tuple"
-            return {"t": kind, "items": [self.node(v, path + (i,)) for i, v in enumerate(value)]}
         if torch is not None and isinstance(value, torch.Size):
             return {"t": "size", "v": list(value)}
         if torch is not None and isinstance(value, torch.dtype):
@@ -187,15 +200,67 @@ class Flattener:
         node = encode(self, value, path)
         return node if node is not None else self._fallback(value, path)
 
+    def _prefix(self, path: tuple[Any, ...]) -> str | None:
+        """The key path of ``path`` plus "/", the start of its children's names (issue 23: joining each
+        leaf's whole path again cost ~1 us a tensor); None where its children are too deep to store
+        (``node`` raises for them)."""
+        if len(path) >= MAX_DEPTH:
+            return None
+        return _joined(path) + "/" if path else ""
+
+    def _dict(self, value: dict[Any, Any], path: tuple[Any, ...]) -> dict[str, Any]:
+        """A "dict" node: each item's key is a str ("k") or an int ("ik"); any other key is refused."""
+        items = []
+        tensor, prefix = self.tensor_type, self._prefix(path)
+        for k, v in value.items():
+            if type(k) is str:
+                field = "k"
+            elif type(k) is int and k.bit_length() <= MAX_JSON_INT_BITS:
+                field = "ik"
+            elif type(k) is int:
+                self.refuse(path, f"a dict key is an int wider than {MAX_JSON_INT_BITS} bits; use a str key")
+                continue
+            else:
+                self.refuse(path, f"dict key {repr(k)[:60]} is a {type(k).__name__}; keys must be str or int")
+                continue
+            if type(v) is tensor and prefix is not None:
+                node = self._tensor(v, path + (k,), prefix + _part(k) or "<root>")
+            else:
+                node = self.node(v, path + (k,))
+            items.append({field: k, "v": node})
+        return {"t": "dict", "ordered": type(value) is collections.OrderedDict, "items": items}
+
+    def _seq(self, value: list[Any] | tuple[Any, ...], path: tuple[Any, ...]) -> dict[str, Any]:
+        """A "list" or "tuple" node. A sequence of JSON-sized ints (an optimizer's param_groups list
+        every parameter id) is encoded in one comprehension, after C-level checks of its items."""
+        kind = "list" if type(value) is list else "tuple"
+        prefix = self._prefix(path)
+        if prefix is None:
+            return {"t": kind, "items": [self.node(v, path + (i,)) for i, v in enumerate(value)]}
+        if value and set(map(type, value)) == {int} and max(map(int.bit_length, value)) <= MAX_JSON_INT_BITS:
+            return {"t": kind, "items": [{"t": "int", "v": v} for v in value]}
+        tensor, items = self.tensor_type, []
+        for i, v in enumerate(value):
+            if type(v) is tensor:
+                items.append(self._tensor(v, path + (i,), f"{prefix}{i}"))
+            else:
+                items.append(self.node(v, path + (i,)))
+        return {"t": kind, "items": items}
+
     def _fallback(self, value: Any, path: tuple[Any, ...]) -> dict[str, Any]:
         if not self.allow_pickle:
             return self.refuse(path, why_refused(value))
         return {"t": "pickle", "v": base64.b64encode(pickle.dumps(value, protocol=5)).decode()}
 
-    def _tensor(self, t: Any, path: tuple[Any, ...]) -> dict[str, Any]:
-        # Each attribute of a tensor costs 0.15-0.5 us, so each is read once (issue 23). A sparse tensor
-        # has a sparse layout, so the layout check covers is_sparse too.
-        if t.layout != self.strided or t.is_quantized or t.is_nested:
+    def _tensor(self, t: Any, path: tuple[Any, ...], base: str | None = None) -> dict[str, Any]:
+        """A "tensor" node and, unless ``t`` is a tensor met before (tied), its leaf (``base``: the
+        leaf's key path, when the caller built it)."""
+        # Each attribute of a tensor costs 0.07-0.25 us, so each is read once (issue 23). A sparse tensor
+        # has a sparse layout, so the layout check covers is_sparse too; a quantized one has a quantized
+        # dtype, none of which ckptstore stores, so only those dtypes ask ``is_quantized``.
+        dtype = t.dtype
+        if (t.layout is not self.strided or t.is_nested
+                or (dtype not in self.stored_dtypes and t.is_quantized)):
             return self._fallback(t, path)
         device = t.device
         devtype = self.devtypes.get(device)
@@ -203,17 +268,17 @@ class Flattener:
             devtype = self.devtypes[device] = device.type
         if devtype == "meta":
             return self._fallback(t, path)
-        shape, dtype = t.shape, t.dtype
-        # The identity of a tensor: its storage (by address: data_ptr less the offset, the same number as
-        # ``untyped_storage().data_ptr()`` at a third of the cost), offset, shape, stride, dtype, device.
-        # Zero-size tensors have none (each is its own leaf), and neither has a conjugate or negative view:
-        # its bytes are its base's with a lazy bit, so as a view of a shared storage (or tied to its base)
-        # it would load as its base; as its own leaf it is written resolved (``describe``, the batched copy).
+        shape = t.shape
+        # The storage of a tensor, by address (data_ptr less the offset: the same number as
+        # ``untyped_storage().data_ptr()`` at a third of the cost) and device type. Zero-size tensors
+        # have none (each is its own leaf), and neither has a conjugate or negative view: its bytes are
+        # its base's with a lazy bit, so as a view of a shared storage (or tied to its base) it would
+        # load as its base; as its own leaf it is written resolved (``describe``, the batched copy).
         if 0 in shape or t.is_conj() or t.is_neg():
-            key = None
+            skey = None
         else:
-            offset = t.storage_offset()
-            key = (t.data_ptr() - offset * dtype.itemsize, offset, shape, t.stride(), dtype, devtype)
+            offset, ptr = t.storage_offset(), t.data_ptr()
+            skey = (ptr - offset * dtype.itemsize, devtype)
         node: dict[str, Any] = {"t": "tensor"}
         # ``isinstance(t, Parameter)`` costs ~0.3 us through Parameter's metaclass: a plain tensor skips it.
         if type(t) is not self.tensor_type and isinstance(t, self.param_type):
@@ -221,24 +286,35 @@ class Flattener:
             node["requires_grad"] = bool(t.requires_grad)
         elif t.requires_grad:
             node["requires_grad"] = True  # a plain tensor's flag (issue 10, item 14); absent means False
-        if key is not None:
-            name = self.by_identity.get(key)
+        first = self.by_storage.get(skey) if skey is not None else None
+        if first is not None:
+            name = self._tied(t, first, skey)  # type: ignore[arg-type]
             if name is not None:
                 node["name"] = name
                 self.tensor_names.append(name)
                 return node
-        name = self._name(path)
+        name = self._name(path, base)
         leaf = Leaf(name, "torch", t)
-        if key is not None:
-            self.by_identity[key] = name
-            skey = (key[0], devtype)
-            first = self.by_storage.setdefault(skey, leaf)
-            if first is not leaf:
+        if skey is not None:
+            if first is None:
+                self.by_storage[skey] = leaf
+            else:
+                self.by_identity[_identity(t, skey)] = name
                 self.shared.setdefault(skey, [first]).append(leaf)
+            if self.describer is not None and devtype == "cpu":
+                leaf.item = self.describer(name, t, shape, dtype, ptr)
         self.leaves.append(leaf)
         self.tensor_names.append(name)
         node["name"] = name
         return node
+
+    def _tied(self, t: Any, first: Leaf, skey: tuple[int, str]) -> str | None:
+        """The name of the leaf ``t`` is tied to (the same storage, offset, shape, stride and dtype:
+        one array), or None, for a tensor over the storage of ``first``, the first leaf over it. A
+        storage's identities are recorded only once a second tensor over it is met (issue 23: a state
+        of distinct tensors pays one dict lookup a tensor)."""
+        self.by_identity.setdefault(_identity(first.obj, skey), first.name)
+        return self.by_identity.get(_identity(t, skey))
 
     def _dtensor(self, dt: Any, path: tuple[Any, ...]) -> dict[str, Any]:
         """A "dtensor" node: the layout of ``dt`` plus the name of its local shard, stored as an
@@ -307,9 +383,12 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict[str, Any], 
     return f.tree, f.leaves
 
 
-def walk(state: Any, allow_pickle: bool) -> Flattener:
-    """One ``flatten`` walk, with what it found on the way (``layoutcache`` reads the storage groups)."""
-    f = Flattener(allow_pickle)
+def walk(state: Any, allow_pickle: bool, describer: Describer | None = None) -> Flattener:
+    """One ``flatten`` walk, with what it found on the way (``layoutcache`` reads the storage groups).
+    ``describer`` (a save's): called as ``describer(name, tensor, shape, dtype, data_ptr)`` for each new
+    leaf that is a strided CPU tensor with elements and neither a conjugate nor a negative bit; what it
+    returns (an ``arrays.ArrayItem``, or None for "describe it later") becomes the leaf's ``item``."""
+    f = Flattener(allow_pickle, describer)
     if f.dtensor is not None:
         # DTensor.to_local without an autograd node: ~5 us a DTensor instead of ~18. One context for
         # the whole walk (entering it per DTensor cost as much as it saved).

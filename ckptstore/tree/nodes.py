@@ -5,7 +5,7 @@ the decoder, views and DTensor nodes each import these from one place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_DEPTH = 200
@@ -13,11 +13,14 @@ MAX_DEPTH = 200
 
 @dataclass
 class Leaf:
-    """An array leaf of the state: ``kind`` is "torch" or "numpy"; ``obj`` the tensor or array."""
+    """An array leaf of the state: ``kind`` is "torch" or "numpy"; ``obj`` the tensor or array.
+    ``item``: its ``arrays.ArrayItem`` when the flatten that made it described it on the way (a save's
+    flatten reads the attributes a description needs anyway, issue 23), else None."""
 
     name: str
     kind: str
     obj: Any
+    item: Any = field(default=None, compare=False, repr=False)
 
 
 def _escape(key: str) -> str:
