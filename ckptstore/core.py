@@ -22,7 +22,7 @@ from .lock import WriterLock
 from .manifest import Manifest
 from .options import StoreOptions
 from .pending import COMMITTED, PendingCut
-from .pointed import pointed_manifest
+from .pointed import pointed_step
 from .protocol import CommitProtocol
 from .ranks import RankGroup
 from .recovery import Classification, Leftover, ManifestCache, classify_now
@@ -115,13 +115,14 @@ class StoreCore:
         # LATEST and the manifest it names, two reads, checked as the classification checks them; only
         # a store without LATEST is classified (issue 24: every save listed the whole store and read
         # every manifest, O(cuts) requests per save on an object store).
-        latest = pointed_manifest(self.storage, self.url, known=self.protocol.last_written)
+        latest = pointed_step(self.storage, self.url, known=self.protocol.last_written)
         if latest is None:
-            latest = latest_manifest(self.classify(), self.url)
-        if latest is not None and step <= latest.step:
+            m = latest_manifest(self.classify(), self.url)
+            latest = None if m is None else (m.cut, m.step)
+        if latest is not None and step <= latest[1]:
             raise StepConflict(
-                f"step {step} is not above the committed LATEST step {latest.step}", store=self.url,
-                cut=latest.cut, hint="steps must increase; resume from LATEST and continue from its step",
+                f"step {step} is not above the committed LATEST step {latest[1]}", store=self.url,
+                cut=latest[0], hint="steps must increase; resume from LATEST and continue from its step",
             )
 
     def ended(self, pending: PendingCut) -> None:

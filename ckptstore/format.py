@@ -175,19 +175,19 @@ def encode_header_columns(names: Sequence[str], st_dtypes: Sequence[str], shapes
             if name in seen:
                 raise ValueError(f"duplicate or reserved tensor name {name!r}")
             seen.add(name)
-    text = _header_text(names, st_dtypes, shapes, sizes, meta)
-    if text is None:
-        text = _header_json(zip(names, st_dtypes, shapes, sizes), meta)
-    body = text.encode("ascii")
-    total = 8 + len(body)
+    chunks = _header_chunks(names, st_dtypes, shapes, sizes, meta)
+    if chunks is None:
+        chunks = [_header_json(zip(names, st_dtypes, shapes, sizes), meta).encode("ascii")]
+    total = 8 + sum(map(len, chunks))
     padded = -(-total // DATA_ALIGN) * DATA_ALIGN
-    body += b" " * (padded - total)
-    return struct.pack("<Q", len(body)) + body
+    # One copy of the text, into the header (a header of 100,000 entries is 7.8 MB: each copy more
+    # was 7.8 MB more of a cut's peak memory, issue 23).
+    return b"".join((struct.pack("<Q", padded - 8), *chunks, b" " * (padded - total)))
 
 
 def _header_json(entries: Iterable[tuple[str, str, Sequence[int], int]], meta: dict[str, str]) -> str:
     """The header's JSON text as ``json.dumps`` writes the header object: the definition of the bytes
-    that :func:`_header_text` writes faster."""
+    that :func:`_header_chunks` writes faster."""
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
     for name, st_dtype, shape, nbytes in entries:
@@ -199,30 +199,41 @@ def _header_json(entries: Iterable[tuple[str, str, Sequence[int], int]], meta: d
 _escape = json.encoder.encode_basestring_ascii  # what json.dumps(ensure_ascii=True) writes a string as
 
 
-def _header_text(names: Sequence[str], st_dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-                 sizes: Sequence[int], meta: dict[str, str]) -> str | None:
-    """The same text as :func:`_header_json`, written entry by entry as one f-string each (issue 23:
-    building a dict of three values and two lists per tensor for ``json.dumps`` cost 3 us a tensor,
-    this a sixth of it). Only for the canonical case, checked in bulk first: names and dtypes of type
-    str, sizes and dimensions of type int (``repr`` of an int is what json writes; a bool or a numpy
-    integer is not), shapes lists or tuples; None otherwise, for ``_header_json`` to write."""
+#: Entries per chunk of a header's text (``_header_chunks``): their f-strings live only while it is made.
+_CHUNK = 4096
+
+
+def _header_chunks(names: Sequence[str], st_dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                   sizes: Sequence[int], meta: dict[str, str]) -> list[bytes] | None:
+    """The text of :func:`_header_json`, ASCII, as chunks to join, written entry by entry as one
+    f-string each (issue 23: building a dict of three values and two lists per tensor for ``json.dumps``
+    cost 3 us a tensor, this a sixth of it), ``_CHUNK`` entries at a time (the f-strings of 100,000
+    entries at once were 15 MB). Only for the canonical case, checked in bulk first: names and dtypes
+    of type str, sizes and dimensions of type int (``repr`` of an int is what json writes; a bool or a
+    numpy integer is not), shapes lists or tuples; None otherwise, for ``_header_json`` to write."""
     head = '{"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=True)
     if not names:
-        return head + "}"
+        return [(head + "}").encode("ascii")]
     if (set(map(type, names)) != {str} or set(map(type, st_dtypes)) != {str} or set(map(type, sizes)) != {int}
             or not set(map(type, shapes)) <= {list, tuple}
             or not set(map(type, itertools.chain.from_iterable(shapes))) <= {int}):
         return None
-    ends = list(itertools.accumulate(sizes))
-    begins = [0, *ends[:-1]]
     esc = _escape
-    dtypes = map({d: esc(d) for d in set(st_dtypes)}.__getitem__, st_dtypes)
+    dtype_text = {d: esc(d) for d in set(st_dtypes)}
     # A state repeats few shapes: each one's text is made once.
     as_tuples = list(map(tuple, shapes))
-    dims = map({t: ",".join(map(repr, t)) for t in set(as_tuples)}.__getitem__, as_tuples)
-    parts = [f'{esc(n)}:{{"dtype":{d},"shape":[{s}],"data_offsets":[{b},{e}]}}'
-             for n, d, s, b, e in zip(names, dtypes, dims, begins, ends)]
-    return head + "," + ",".join(parts) + "}"
+    dims_text = {t: ",".join(map(repr, t)) for t in set(as_tuples)}
+    chunks = [head.encode("ascii")]
+    begin = 0
+    for i in range(0, len(names), _CHUNK):
+        ends = list(itertools.accumulate(sizes[i:i + _CHUNK], initial=begin))
+        parts = [f',{esc(n)}:{{"dtype":{d},"shape":[{s}],"data_offsets":[{b},{e}]}}'
+                 for n, d, s, b, e in zip(names[i:i + _CHUNK], map(dtype_text.__getitem__, st_dtypes[i:i + _CHUNK]),
+                                          map(dims_text.__getitem__, as_tuples[i:i + _CHUNK]), ends, ends[1:])]
+        chunks.append("".join(parts).encode("ascii"))
+        begin = ends[-1]
+    chunks.append(b"}")
+    return chunks
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

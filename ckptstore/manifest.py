@@ -24,7 +24,7 @@ from pydantic import Field, field_validator, model_validator
 from . import layout
 from .attached import AttachedFile, check_listing
 from .format import ST_ITEMSIZE
-from .jsontext import compact_bytes, table_text, tree_pieces
+from .jsontext import compact_bytes, table_pieces, tree_pieces
 from .models import CutId, FileName, StrictModel, json_key_count
 from .records import FIELDS, TABLE_KEYS, TensorRecord, TensorRows, records_to_rows, records_to_table, table_to_records
 
@@ -241,7 +241,7 @@ class Manifest(StrictModel):
             if k == "tree":
                 parts.extend(tree_pieces(self.tree))
             elif k == "tensors" and self.format_version == TABLE_FORMAT_VERSION:
-                parts.append(table_text(tensors))
+                parts.extend(table_pieces(tensors))
             else:
                 parts.append(compact_bytes(v))
         parts.append(b"}\n")

@@ -17,13 +17,30 @@ from .recovery import MAX_RESCANS
 from .storage import Storage
 
 
-def pointed_manifest(storage: Storage, url: str, known: tuple[str, Manifest] | None = None) -> Manifest | None:
+#: What a handle remembers of the manifest it wrote last: (blake3 of its bytes, its cut, its step).
+Written = tuple[str, str, int]
+
+
+def pointed_manifest(storage: Storage, url: str) -> Manifest | None:
     """LATEST's manifest, read without a listing: LATEST, then the manifest it names (the scan's order),
     whose bytes must hash to what LATEST records: the classification's own test of a healthy LATEST
     (a valid manifest that LATEST names is committed, whatever marks say), with its words when it
-    fails. None when there is no LATEST: only a listing tells an empty store from one that lost it.
-    ``known``: (blake3 of a manifest's bytes, that manifest), the one this handle wrote last: taken as
-    is when LATEST's manifest has those bytes (a save's step check parsed 40,000 records, issue 23)."""
+    fails. None when there is no LATEST: only a listing tells an empty store from one that lost it."""
+    found = _pointed(storage, url, None)
+    assert not isinstance(found, tuple)
+    return found
+
+
+def pointed_step(storage: Storage, url: str, known: Written | None = None) -> tuple[str, int] | None:
+    """(cut, step) of LATEST's manifest, read and checked as ``pointed_manifest`` reads it; ``known``
+    (what this handle wrote last) is taken as it is when LATEST's manifest has its bytes: a save's step
+    check parsed 40,000 records, and keeping the whole manifest for it held ~250 bytes a tensor between
+    cuts (issue 23)."""
+    found = _pointed(storage, url, known)
+    return found if found is None or isinstance(found, tuple) else (found.cut, found.step)
+
+
+def _pointed(storage: Storage, url: str, known: Written | None) -> Manifest | tuple[str, int] | None:
     where = {"store": url, "path": layout.LATEST_FILE}
     hint = f"run `ckptstore repair {url}`"
     for _ in range(MAX_RESCANS):
@@ -42,8 +59,8 @@ def pointed_manifest(storage: Storage, url: str, known: tuple[str, Manifest] | N
                 continue  # LATEST moved on and a prune took the cut it named meanwhile: read again
             raise LatestError(f"LATEST names {pointer.cut}, which is not a committed cut", hint=hint, **where)
         digest = hashing.digest(body)
-        if known is not None and known[0] == digest == pointer.manifest_blake3 and known[1].cut == pointer.cut:
-            return known[1]
+        if known is not None and known[0] == digest == pointer.manifest_blake3 and known[1] == pointer.cut:
+            return known[1], known[2]
         try:
             m = parse_manifest(url, pointer.cut, body)
         except DataError as exc:
@@ -87,4 +104,4 @@ def read_or_none(storage: Storage, rel: str) -> bytes | None:
         raise
 
 
-__all__ = ["parse_manifest", "read_or_none", "named_manifest", "pointed_manifest"]
+__all__ = ["parse_manifest", "read_or_none", "named_manifest", "pointed_manifest", "pointed_step"]

@@ -115,9 +115,9 @@ class CommitProtocol:
         self._on_phase = on_phase
         self._guard = guard or (lambda: None)
         self._latest_tag: str | None = None  # object stores: the LATEST version this writer last saw or wrote
-        #: (blake3 of its bytes, the manifest) of the last manifest this writer published: the next save's
-        #: step check takes it as LATEST's when the bytes there hash the same (``pointed_manifest``).
-        self.last_written: tuple[str, Manifest] | None = None
+        #: (blake3 of its bytes, cut, step) of the last manifest this writer published: the next save's
+        #: step check takes it as LATEST's when the bytes there hash the same (``pointed_step``).
+        self.last_written: tuple[str, str, int] | None = None
 
     @property
     def url(self) -> str:
@@ -176,7 +176,7 @@ class CommitProtocol:
         self._storage.write_durably(layout.manifest_path(manifest.cut), data)
         self.phase(SavePhase.MANIFEST_WRITTEN, manifest.cut)
         digest = hashing.digest(data)
-        self.last_written = (digest, manifest)
+        self.last_written = (digest, manifest.cut, manifest.step)
         return digest
 
     def copy_manifest(self, cut: str, data: bytes) -> str:

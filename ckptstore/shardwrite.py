@@ -241,12 +241,16 @@ class _Columns:
 
     def header(self) -> bytes:
         """The shard header, each array's header dtype decided once per (kind, dtype) of the shard."""
-        pairs = list(zip(self.kinds, self.dtypes))
-        rules = {kd: header_dtype_rule(*kd) for kd in set(pairs)}
-        st_dtypes = list(map({kd: rule[0] for kd, rule in rules.items()}.__getitem__, pairs))
+        # The (kind, dtype) pairs are zipped anew for each pass, never kept as a list (a tuple each:
+        # 7 MB at 100,000 arrays, issue 23); a shard of one dtype gets its one header dtype repeated.
+        rules = {kd: header_dtype_rule(*kd) for kd in set(zip(self.kinds, self.dtypes))}
+        if len(rules) == 1:
+            st_dtypes = [next(iter(rules.values()))[0]] * len(self.names)
+        else:
+            st_dtypes = list(map({kd: rule[0] for kd, rule in rules.items()}.__getitem__, zip(self.kinds, self.dtypes)))
         shapes: list[Any] = self.shapes
         if any(as_bytes for _, as_bytes in rules.values()):  # dtypes safetensors has no name for: U8 bytes
-            shapes = [[n] if rules[kd][1] else s for kd, s, n in zip(pairs, shapes, self.sizes)]
+            shapes = [[n] if rules[kd][1] else s for kd, s, n in zip(zip(self.kinds, self.dtypes), shapes, self.sizes)]
         return encode_header_columns(self.names, st_dtypes, shapes, self.sizes)
 
     def records(self, name: str, digests: list[bytes]) -> list[TensorRecord]:

@@ -282,9 +282,13 @@ class WriteDone(StrictModel):
             raise ValueError(f"done names a file outside the {len(self.files)} it lists")
         placed = slots if order is None else [slots[i] for i in order]
         digests, names = p["blake3"], [f.name for f in self.files]
+        shapes = [s.shape for s in placed]
+        # One list per distinct shape, shared by its records (records are never changed in place, as
+        # shardwrite's): 100,000 records of one shape made 100,000 lists, 7 MB of the commit's peak.
+        lists = {shape: list(shape) for shape in set(shapes)}
         return list(map(_make_record, zip(
             [s.name for s in placed], [s.kind for s in placed], [s.dtype for s in placed],
-            [list(s.shape) for s in placed], [s.nbytes for s in placed], [names[i] for i in p["file"]],
+            map(lists.__getitem__, shapes), [s.nbytes for s in placed], [names[i] for i in p["file"]],
             p["offset"], [digests[i:i + 64] for i in range(0, 64 * n, 64)])))
 
 

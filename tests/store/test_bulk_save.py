@@ -250,3 +250,29 @@ def test_describe_gives_the_general_bytes_for_every_kind_of_tensor() -> None:
         assert item.dtype == str(t.dtype).removeprefix("torch."), name
         assert item.data.format == "B" and item.data.ndim == 1 and bytes(item.data) == general_bytes(t), name
     assert [i.name for i in describe_all([Leaf(n, "torch", t) for n, t in cases.items()])] == list(cases)
+
+
+def test_headers_and_file_digests_made_in_chunks_are_the_reference_bytes(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header text and the v2 file digest are made a few thousand arrays at a time (issue 23: whole,
+    they were tens of MB of a cut's peak at 100,000 arrays). With chunks of 7 and 5 arrays, runs of
+    mixed dtypes and shapes cross many chunk ends, and a chunk ends exactly at the last array too."""
+    import ckptstore.format as fmt
+    import ckptstore.hashing as hashing
+
+    monkeypatch.setattr(fmt, "_CHUNK", 7)
+    monkeypatch.setattr(hashing, "DIGEST_CHUNK", 5)
+    g = torch.Generator().manual_seed(11)
+    state: dict[str, Any] = {}
+    for i in range(70):  # 70: a multiple of both chunks' sizes
+        dtype = DTYPES[i % len(DTYPES)]
+        t = torch.randn(1 + i % 4, 3, generator=g) * 9
+        state[f"m.{i:03d}"] = t > 0 if dtype is torch.bool else t.to(dtype)
+    storage = PosixStorage(str(tmp_path))
+    storage.make_dir(layout.CUTS_DIR)
+    items = expected_items(state)
+    for n in (70, 69, 1):  # whole chunks, a chunk short of one, a single array
+        cut = f"c{n}"
+        storage.make_dir(layout.cut_dir(cut))
+        files, tensors = write_shards(storage, cut, 0, items[:n], codec=Codec(), max_shard_bytes=1 << 30)
+        check_shards(str(tmp_path), cut, items[:n], files, tensors)

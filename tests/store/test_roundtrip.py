@@ -617,6 +617,32 @@ def test_step_must_increase(store: Store) -> None:
             store.save({"x": 4}, step=step)  # type: ignore[arg-type]
 
 
+def test_the_step_check_after_a_save_takes_what_the_handle_wrote(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handle remembers (digest, cut, step) of the manifest it wrote, not the manifest (issue 23: 40,000
+    records kept between cuts): its next step check parses no manifest while LATEST's manifest is those
+    bytes, still refuses a step that does not increase, and names the cut; a LATEST moved by someone
+    else (other bytes) is read and parsed."""
+    import ckptstore.pointed as pointed
+    from ckptstore.store import core_of
+
+    parsed: list[str] = []
+    real = pointed.parse_manifest
+    monkeypatch.setattr(pointed, "parse_manifest", lambda url, cut, body: parsed.append(cut) or real(url, cut, body))
+    info = store.save({"x": 1}, step=10)
+    digest, cut, step = core_of(store).protocol.last_written  # type: ignore[misc]
+    assert (cut, step) == (info.id, 10) and len(digest) == 64
+    with pytest.raises(ckptstore.StepConflict) as ei:
+        store.save({"x": 2}, step=10)
+    assert ei.value.cut == info.id and parsed == []
+    store.close()
+    with Store.open(store.url) as other:  # another handle: it did not write LATEST's manifest
+        with pytest.raises(ckptstore.StepConflict):
+            other.save({"x": 2}, step=9)
+        assert parsed == [info.id]
+        other.save({"x": 3}, step=11)
+    assert ckptstore.load(store.url)["x"] == 3
+
+
 def test_cutinfo_fields(store: Store) -> None:
     before = datetime.now(timezone.utc)
     info = store.save({"w": torch.ones(100)}, step=42, tags=["best", "epoch-1"], final=True,
