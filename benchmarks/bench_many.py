@@ -56,7 +56,9 @@ from manystate import LAYOUTS
 US_PER_TENSOR = 15.0  # the per-tensor overhead a save, a load or a cut may add to its floor (issue 23)
 KIB, MIB = 1024, 1 << 20
 MODES = ("process", "thread", "inline")
-SLOWDOWN_VARIANTS = ("ckpt-process", "dcp-thread", "none")  # bench_writer's loop children (writersaver.py)
+# bench_writer's loop children (writersaver.py). "spin", a nice-10 process spinning pure Python with no I/O,
+# is the floor of any background work at the writer's priority: printed beside the target (issue 23).
+SLOWDOWN_VARIANTS = ("ckpt-process", "dcp-thread", "spin", "none")
 
 # The targets of issue 23, in one place (judged on the median of the paired values).
 TARGETS: dict[str, Target] = {}

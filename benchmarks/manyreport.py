@@ -252,11 +252,11 @@ def large_slowdown(args: argparse.Namespace, R: dict[str, Any], J: Judge) -> lis
     for th, loops in sorted(R["loop"].items()):
         reps = {v: [LoopRep.from_dict(x) for x in r["reps"]] for v, r in loops.items() if "error" not in r}
         ratios = {v: [x.ratio_med for x in xs if x.ratio_med is not None] for v, xs in reps.items()}
-        beside = "; ".join(f"{name} {fmt(ratios[v])}x" for v, name in (("dcp-thread", "DCP async_save"),
-                                                                      ("none", "no checkpoint")) if v in ratios)
+        beside = "; ".join(f"{name} {fmt(ratios[v])}x" for v, name in (
+            ("dcp-thread", "DCP async_save"), ("spin", "a nice-10 spinner"), ("none", "no checkpoint")) if v in ratios)
         for v, r in loops.items():
             key = f"slowdown_{th}" if v == "ckpt-process" else None
-            label = ("(floor) " if v == "none" else "") + LABEL[v] + (" (reference)" if v.startswith("dcp") else "")
+            label = ("(floor) " if v in ("none", "spin") else "") + LABEL[v] + (" (reference)" if v.startswith("dcp") else "")
             if v not in reps:
                 rows.append([str(th), label, f"failed: {r['error']}", "", "", "", "", *unjudged(J, key)])
                 continue
@@ -268,6 +268,11 @@ def large_slowdown(args: argparse.Namespace, R: dict[str, Any], J: Judge) -> lis
                          *J.cells(key, ratio, f"{fmt(ratio)}x ({beside})" if beside else f"{fmt(ratio)}x")])
     L += table(["trainer threads", "variant", "in-flight step median / idle median", "p90 / idle median",
                 "call blocks s", "until durable s", "foreign cores", "target", "met?"], rows)
+    L += ["", "The spinner row is the floor of any background work at the writer's priority (nice 10): a process "
+          "that only spins pure Python, with no I/O and no memory traffic to speak of, for about as long as a cut "
+          "is written. Where it slows the loop past a target, that target is out of reach on the day for any "
+          "writer at nice 10 (nice 19 trades it for cuts several times slower to become durable: "
+          "docs/benchmarks-writer.md)."]
     return L
 
 
