@@ -296,6 +296,9 @@ def write_shard(
         raw_nbytes = len(header) + sum(cols.sizes)
         # The items are in file order (ascending offset), as the v2 digest lists them.
         raw_digest = hashing.file_digest_v2_columns(header, cols.sizes, digests)
+        # The header's bytes go before the records are made (issue 23: 7.8 MB at 100,000 arrays, on
+        # top of the records at the cut's peak).
+        del header
         if isinstance(out, _Compressing):
             out.finish()
             stored_nbytes, stored_digest = out.count, out.hasher.hexdigest()

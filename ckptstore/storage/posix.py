@@ -21,7 +21,7 @@ from typing import BinaryIO
 from .. import layout
 from ..errors import CkptStoreError, NotAFile
 from .base import Capabilities, Entry, MappedFile, Sink, Storage, StorageSpec, cut_of
-from .buffers import CHUNK, BufferPool
+from .buffers import STAGE, BufferPool
 from .sink import PosixSink
 
 #: The read buffer of ``open_reader``: many small arrays would each cost a read system call and its
@@ -105,7 +105,7 @@ class PosixStorage(Storage):
 
     capabilities = Capabilities(local_paths=True)
 
-    def __init__(self, root: str, *, use_direct: bool = True, chunk_bytes: int = CHUNK) -> None:
+    def __init__(self, root: str, *, use_direct: bool = True, chunk_bytes: int = STAGE) -> None:
         self.root = os.path.abspath(root)
         self.url = self.root
         #: O_DIRECT for new shard files; a sink clears it once the file system refuses O_DIRECT.

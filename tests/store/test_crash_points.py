@@ -206,7 +206,7 @@ BYTE_OFFSETS = [0, *sorted(random.Random(20241129).sample(range(1, _TOTAL), 3))]
 def test_kill_mid_write_at_byte_offset(tmp_path: Path, offset: int) -> None:
     """A helper thread kills the writer once the new cut's shards hold ``offset`` bytes: a partly
     written cut that must stay invisible (failure-modes rows 1, 2). With O_DIRECT a shard of up to
-    8 MiB lands in one write, so kills fall on shard boundaries or a just-created file; a torn shard is
+    4 MiB lands in one write, so kills fall on shard boundaries or a just-created file; a torn shard is
     built directly in test_recovery_fixtures."""
     url = tmp_path / "store"
     run = run_script(url, "--create", "--pre", "2", "--kill-at-bytes", str(offset))

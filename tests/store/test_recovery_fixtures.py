@@ -115,7 +115,7 @@ def test_unreadable_mark_beside_uncommitted_cut_is_removed(tmp_path: Path) -> No
 
 
 def test_torn_shards_of_an_uncommitted_cut_are_removed(tmp_path: Path) -> None:
-    """Mid-file states that the real-kill sampler rarely hits (a shard up to 8 MiB reaches the disk in
+    """Mid-file states that the real-kill sampler rarely hits (a shard up to 4 MiB reaches the disk in
     one O_DIRECT write): a half-written shard and a just-created empty one, no manifest yet."""
     root = tmp_path / "store"
     cuts = make_store(root, [1, 2])
