@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from itertools import chain, compress, repeat
 from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
@@ -162,31 +161,30 @@ def raw_key_bound(data: bytes) -> int | None:
 
 def json_key_count(value: Any) -> int:
     """The object keys in ``value``: parsed models (the fields their document set), dicts and lists of
-    them. Level by level, each level in a few C-level passes (``map``, ``compress``, ``chain``): a walk
-    popping every value one by one cost 0.2 s for a nested manifest of 40,000 tensors (253,416 keys,
-    issue 23), more than its ``json.loads``. Iterative: a state's tree nests hundreds of levels deep."""
+    them. One stack of what is still to count: only what may hold keys is pushed (strings and
+    numbers, most of a document, are looked at once and left), so a nested manifest of 40,000 tensors
+    (253,390 keys) takes 32 ms, where a level-by-level walk in C-level passes took 62 and one pushing
+    every value 0.2 s (issue 23). Iterative: a state's tree nests hundreds of levels deep."""
     n = 0
-    level = [value]
-    while level:
-        types = list(map(type, level))
-        dicts = list(compress(level, map(_IS_DICT, types)))
-        n += sum(map(len, dicts))
-        children = list(chain(chain.from_iterable(map(dict.values, dicts)),
-                              chain.from_iterable(compress(level, map(_IS_LIST, types)))))
-        for v in compress(level, map(_IS_OTHER, types, repeat(True))):
+    stack = [value]
+    pop, push = stack.pop, stack.append
+    while stack:
+        v = pop()
+        t = type(v)
+        if t is dict:
+            n += len(v)
+            v = v.values()
+        elif t is not list:
             if isinstance(v, BaseModel):  # only when counting a model's fields (never a parsed document)
                 fields = v.model_fields_set
                 n += len(fields)
-                children.extend(getattr(v, f) for f in fields)
-        # Only what can hold keys goes on: strings and numbers (most of a document) stop here.
-        level = list(compress(children, map(_MAY_HOLD_KEYS, map(type, children), repeat(True))))
+                stack.extend(getattr(v, f) for f in fields)
+            continue
+        for x in v:
+            if type(x) not in _SCALAR_TYPES:  # a dict, a list, a model perhaps
+                push(x)
     return n
 
 
-_IS_DICT = {dict: True}.get
-_IS_LIST = {list: True}.get
-_SCALARS = (str, int, float, bool, type(None))
-#: False for JSON's scalar types, else the default passed (True): what may hold keys.
-_MAY_HOLD_KEYS = dict.fromkeys(_SCALARS, False).get
-#: False for scalars, dicts and lists, else the default (True): a model, perhaps.
-_IS_OTHER = dict.fromkeys((*_SCALARS, dict, list), False).get
+#: JSON's scalar types: what holds no keys. Anything else is pushed (a model, perhaps) and looked at.
+_SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
