@@ -24,6 +24,10 @@ of this exchange names another, or that waits in an exchange of another opening 
 ranks that see it fail at once, each naming the others (issue 19 item 5), instead of waiting under
 keys the others never write while everyone keeps beating.
 
+Through rank 0 (issue 22). Every rank posts its message of an exchange; rank 0 alone reads them all,
+checks them and posts one answer (each distinct message once, with the runs of ranks that sent it, or
+the failure it found), which every other rank waits for alone: O(ranks) messages an exchange.
+
 After a failure the group is broken: the message sequence the ranks share is lost, so every later call
 raises at once, naming the first failure. A restart (which re-forms the job) is the way on.
 """
@@ -77,7 +81,9 @@ def store_namespace(url: str) -> str:
 class RankGroup:
     """This process's view of the ranks taking cuts together; made by ``Store.open(..., group=)``.
 
-    ``exchange`` is the one primitive: each rank posts a JSON message and gets every rank's back.
+    ``exchange`` is the one primitive: each rank posts a JSON message and gets every rank's back
+    (through rank 0's answer; the payloads of ranks that sent the same one are one object: read them,
+    never change them).
     Every rank must make the same sequence of exchanges (ckptstore's collective calls do, whatever
     happens locally: a rank whose part failed still posts, saying so); an exchange is where the ranks
     find out that they do not (module docstring, "Different calls")."""
@@ -90,13 +96,34 @@ class RankGroup:
             raise UsageError("group= needs torch.distributed to be initialized (dist.init_process_group)")
         if not (isinstance(rank_timeout, (int, float)) and rank_timeout > 0):
             raise UsageError(f"rank_timeout must be a positive number of seconds, got {rank_timeout!r}")
-        self.rank = dist.get_rank(group)
-        if self.rank < 0:
+        rank = dist.get_rank(group)
+        if rank < 0:
             raise UsageError("this process is not a member of the group passed as group=")
-        self.size = dist.get_world_size(group)
-        self.global_ranks = list(dist.get_process_group_ranks(group))
+        self._start(rank, dist.get_world_size(group), list(dist.get_process_group_ranks(group)),
+                    kv if kv is not None else dist.distributed_c10d._get_default_store(),
+                    rank_timeout=rank_timeout, namespace=namespace, store=store)
+
+    @classmethod
+    def of_ranks(cls, rank: int, size: int, kv: Any, *, namespace: str, rank_timeout: float = DEFAULT_RANK_TIMEOUT,
+                 store: str | None = None) -> "RankGroup":
+        """Rank ``rank`` of ``size`` ranks agreeing through the c10d store ``kv`` (a ``TCPStore`` client
+        of its own), with no process group: the simulated ranks of the scale harness (issue 22), each a
+        thread with its own client, run the same agreement code a job's ranks do."""
+        if not (isinstance(size, int) and size > 0 and isinstance(rank, int) and 0 <= rank < size):
+            raise UsageError(f"rank {rank!r} of {size!r} ranks is not a rank of the group")
+        if not (isinstance(rank_timeout, (int, float)) and rank_timeout > 0):
+            raise UsageError(f"rank_timeout must be a positive number of seconds, got {rank_timeout!r}")
+        group = cls.__new__(cls)
+        group._start(rank, size, list(range(size)), kv, rank_timeout=rank_timeout, namespace=namespace, store=store)
+        return group
+
+    def _start(self, rank: int, size: int, global_ranks: list[int], kv: Any, *, rank_timeout: float,
+               namespace: str, store: str | None) -> None:
+        self.rank = rank
+        self.size = size
+        self.global_ranks = global_ranks
         self.rank_timeout = float(rank_timeout)
-        self._kv = kv if kv is not None else dist.distributed_c10d._get_default_store()
+        self._kv = kv
         self._ns = f"ckptstore/{namespace}/g{self.global_ranks[0]}-{self.size}/"
         # Which opening of this store by this group this is: every rank adds one, and no rank can
         # add for its next opening before all have added for this one (the first exchange waits),
@@ -231,9 +258,22 @@ class RankGroup:
                 raise failure from exc
         self._forget()
         self._posted.append(mine)
+        if self.rank == 0:  # every rank has read the answer once it posts in the next exchange
+            self._posted.append(self._answer_key())
         return [m["p"] if senders is None or r in senders else None for r, m in enumerate(msgs)]
 
     def _await_exchange(self, what: str, where: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's message of this exchange, through rank 0 (issue 22: O(ranks) messages, not
+        every rank reading every rank's): rank 0 waits for all of them, checks them, and posts one
+        answer, which every other rank waits for alone (one key a poll, whatever the world size)."""
+        if self.rank == 0:
+            return self._gather_and_answer(what, where)
+        return self._await_answer(what, where)
+
+    def _answer_key(self) -> str:
+        return self._key(self.opening, "a", self._seq)
+
+    def _gather_and_answer(self, what: str, where: dict[str, Any]) -> list[dict[str, Any]]:
         ranks = list(range(self.size))
         keys = [self._msg_key(self.opening, self._seq, r) for r in ranks]
         read: dict[int, dict[str, Any]] = {}
@@ -245,8 +285,65 @@ class RankGroup:
             self._check_calls(read, what, where)
             self._check_elsewhere(missing, what, where)
 
-        msgs = [json.loads(v) for v in self._wait(ranks, keys, what, where, look)]
-        self._check_calls(dict(enumerate(msgs)), what, where)
+        calls: dict[int, str] = {}
+        try:
+            raw = self._wait(ranks, keys, what, where, look)
+            msgs = [json.loads(v) for v in raw]
+            calls = {r: m["x"] for r, m in enumerate(msgs)}
+            self._check_calls(dict(enumerate(msgs)), what, where)
+        except RankFailure as exc:
+            # The others wait for the answer alone: they hear of the failure from it, at once. A
+            # mismatch goes with every rank's call, so each names the ranks odd from where it stands.
+            odd = {r: x for r, x in calls.items() if x != what}
+            fail = {"message": exc.message, "ranks": list(exc.ranks or [])}
+            if odd:
+                fail["calls"] = {str(r): x for r, x in calls.items()}
+            self._post_answer({"x": what, "fail": fail})
+            raise
+        # The answer lists each distinct message once and which ranks sent it, as runs of ranks: the
+        # ranks of one call mostly send the same few messages, so it stays small at any world size.
+        distinct: dict[bytes, int] = {}
+        runs: list[list[int]] = []
+        for v in raw:
+            i = distinct.setdefault(bytes(v), len(distinct))
+            if runs and runs[-1][0] == i:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1])
+        text = b"".join([b'{"x":', json.dumps(what).encode(), b',"d":[', b",".join(distinct), b'],"r":',
+                         json.dumps(runs, separators=(",", ":")).encode(), b"}"])
+        self._kv.set(self._answer_key(), text)
+        return msgs
+
+    def _post_answer(self, answer: dict[str, Any]) -> None:
+        try:
+            self._kv.set(self._answer_key(), json.dumps(answer))
+        except Exception:  # noqa: BLE001 - the others then find rank 0's store gone themselves
+            pass
+
+    def _await_answer(self, what: str, where: dict[str, Any]) -> list[dict[str, Any]]:
+        def look(missing: list[int]) -> None:  # rank 0 has not answered yet: is it in another opening?
+            self._check_elsewhere(missing, what, where)
+
+        (raw,) = self._wait([0], [self._answer_key()], what, where, look)
+        answer = json.loads(raw)
+        fail = answer.get("fail")
+        if fail is not None:
+            calls = fail.get("calls")
+            if calls is not None:  # ranks in different calls: named from this rank's own call
+                odd = {int(r): x for r, x in calls.items() if x != what}
+                if odd:
+                    self._mismatch(odd, what, where)
+            raise RankFailure(f"rank 0 found: {fail['message']}", ranks=fail["ranks"], **where)
+        if answer["x"] != what:  # rank 0 answered another exchange of this number: it is in another call
+            self._mismatch({0: answer["x"]}, what, where)
+        distinct = answer["d"]
+        msgs: list[dict[str, Any]] = []
+        for i, n in answer["r"]:
+            msgs.extend([distinct[i]] * n)
+        if len(msgs) != self.size:
+            raise RankFailure(f"rank 0's answer to {what!r} lists {len(msgs)} messages for {self.size} ranks",
+                              ranks=[0], **where)
         return msgs
 
     def _check_calls(self, msgs: dict[int, dict[str, Any]], what: str, where: dict[str, Any]) -> None:
