@@ -137,7 +137,6 @@ class RankGroup:
         self._busy = 0
         self._beat = 0
         self._lock = threading.Lock()
-        self._waiters: list[Any] = []  # this rank's own connections for its waits (_open_waiters)
         self._wake = threading.Event()
         self._closed = False
         self._interval = min(1.0, self.rank_timeout / 5)
@@ -150,8 +149,6 @@ class RankGroup:
         self._thread = threading.Thread(target=self._beat_loop, name="ckptstore-heartbeat", daemon=True)
         self._thread.start()
         try:
-            # The training loop's and the commit thread's connections for their waits.
-            threading.Thread(target=self._open_waiters, args=(2,), name="ckptstore-waiters", daemon=True).start()
             self.exchange("hello", {}, store=store)  # every heartbeat key exists from here on
         except BaseException:
             self.close()
@@ -288,17 +285,9 @@ class RankGroup:
             self._check_calls(read, what, where)
             self._check_elsewhere(missing, what, where)
 
-        def absent() -> list[int]:
-            # The ranks that have not posted here, from their places (set with their messages, in one
-            # call): one read of every place, where a check of each message key cost a round trip a
-            # rank at every look (issue 22).
-            here = [self.opening, self._seq]
-            raw = self._read_present([self._at_key(r) for r in ranks])
-            return [r for r, v in zip(ranks, raw) if v is None or json.loads(v)[:2] != here]
-
         calls: dict[int, str] = {}
         try:
-            raw = self._wait(ranks, keys, what, where, look, absent)
+            raw = self._wait(ranks, keys, what, where, look)
             msgs = [json.loads(v) for v in raw]
             calls = {r: m["x"] for r, m in enumerate(msgs)}
             self._check_calls(dict(enumerate(msgs)), what, where)
@@ -430,8 +419,7 @@ class RankGroup:
             pass
 
     def _wait(self, ranks: list[int], keys: list[str], what: str, where: dict[str, Any],
-              look: Callable[[list[int]], None] | None = None,
-              absent: Callable[[], list[int]] | None = None) -> list[bytes]:
+              look: Callable[[list[int]], None] | None = None) -> list[bytes]:
         """Waits until every key is there (then reads them: a key is only read once it exists), looking
         at the missing ranks now and then: ``look`` (where they are), then their heartbeats."""
         start = time.monotonic()
@@ -443,8 +431,7 @@ class RankGroup:
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + self._interval
-                missing = (absent() if absent is not None
-                           else [r for r, k in zip(ranks, keys) if not self._kv.check([k])])
+                missing = [r for r, k in zip(ranks, keys) if not self._kv.check([k])]
                 if look is not None:
                     look(missing)
                 self._liveness(missing, seen, start, now, what, where)
@@ -454,47 +441,21 @@ class RankGroup:
         the moment the last key is set; issue 22: polls of every waiting rank were the load on that one
         server, and their back-off the latency of an exchange), else a poll of ``check``."""
         seconds = max(seconds, 0.001)
+        wait = getattr(self._kv, "wait", None)
         # What a c10d store's ``wait`` raises when its deadline passes (a lost server raises
         # DistNetworkError); torch.distributed is loaded by then (the store is one of its), and this
         # module never imports torch itself (the CLI reads stores without it).
         timed_out = getattr(sys.modules.get("torch.distributed"), "DistStoreError", None)
-        waiter = None
-        if timed_out is not None:
-            with self._lock:
-                waiter = self._waiters.pop() if self._waiters else None
-        if waiter is not None:  # else every connection of this rank waits in another thread: poll
+        if wait is not None and timed_out is not None:
             try:
-                waiter.wait(keys, datetime.timedelta(seconds=seconds))
+                wait(keys, datetime.timedelta(seconds=seconds))
                 return True
             except timed_out:
                 return self._kv.check(keys)
-            finally:
-                with self._lock:
-                    self._waiters.append(waiter)
         if self._kv.check(keys):
             return True
         time.sleep(min(seconds, 0.01))
         return self._kv.check(keys)
-
-    def _open_waiters(self, n: int) -> None:
-        """``n`` connections of this rank's own to the rendezvous store, for its waits (``clone``; none
-        where the store cannot clone itself: then every wait polls). A wait holds its connection until
-        it returns, so on the shared one it would hold up the heartbeat and the other thread's exchange
-        meanwhile (the training loop's behind the commit thread's wait for every rank's part). Opened
-        in the background: a connection now and then takes 5 s to open on some VMs, and a wait polls
-        until one is there."""
-        clone = getattr(self._kv, "clone", None)
-        if clone is None:
-            return
-        for _ in range(n):
-            if self._closed:
-                return
-            try:
-                waiter = clone()
-            except Exception:  # noqa: BLE001 - a store that cannot clone: its waits poll
-                return
-            with self._lock:
-                self._waiters.append(waiter)
 
     def _forget(self) -> None:
         """After an exchange: deletes what this rank posted before it, which every rank has read by
