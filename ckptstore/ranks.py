@@ -3,7 +3,7 @@
 ckptstore runs no tensor collectives. Its few small messages per cut (the step every rank is at, the
 cut id rank 0 marked, whether each rank's files are durable, the outcome of the commit) go through the
 job's rendezvous key-value store: the c10d ``Store`` torch.distributed was initialized with (a
-``TCPStore`` under torchrun or ``init_method="env://"``), waited for against a deadline (the server's own ``wait``). So it works
+``TCPStore`` under torchrun or ``init_method="env://"``), polled against a deadline. So it works
 whatever backend the job trains with (nccl or gloo), adds no process group, and can never block in a
 collective because another rank died. Nothing here ever reads a key that may not exist with a
 blocking get (that waits for the rendezvous store's own timeout, 30 min by default): a key is read
@@ -34,11 +34,9 @@ raises at once, naming the first failure. A restart (which re-forms the job) is 
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
-import sys
 import threading
 import time
 import traceback
@@ -140,10 +138,12 @@ class RankGroup:
         self._wake = threading.Event()
         self._closed = False
         self._interval = min(1.0, self.rank_timeout / 5)
-        # Waits block in the rendezvous server (``wait`` with a deadline: it answers the moment the keys
-        # are there, no poll in between). Where the other ranks are is looked at after 50 ms of
-        # waiting (a call mismatch shows at once), in big jobs only every interval: a look is a round
-        # trip per missing rank.
+        # Polls back off to 10 ms (two exchanges per cut wait in the training loop: the 2-rank
+        # benchmark paid ~10 ms of stall with a 50 ms cap) and to 50 ms in big jobs, where every
+        # rank's poll is a round trip to the one rendezvous server. Where the other ranks are is
+        # looked at after 50 ms of waiting (a call mismatch shows at once), in big jobs only every
+        # interval: a look is a round trip per missing rank.
+        self._poll_cap = 0.01 if self.size <= 64 else 0.05
         self._first_look = min(self._interval, 0.05) if self.size <= 64 else self._interval
         self._kv.set(self._hb_key(self.rank), "0")
         self._thread = threading.Thread(target=self._beat_loop, name="ckptstore-heartbeat", daemon=True)
@@ -265,7 +265,7 @@ class RankGroup:
     def _await_exchange(self, what: str, where: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's message of this exchange, through rank 0 (issue 22: O(ranks) messages, not
         every rank reading every rank's): rank 0 waits for all of them, checks them, and posts one
-        answer, which every other rank waits for alone (one key, whatever the world size)."""
+        answer, which every other rank waits for alone (one key a poll, whatever the world size)."""
         if self.rank == 0:
             return self._gather_and_answer(what, where)
         return self._await_answer(what, where)
@@ -420,13 +420,13 @@ class RankGroup:
 
     def _wait(self, ranks: list[int], keys: list[str], what: str, where: dict[str, Any],
               look: Callable[[list[int]], None] | None = None) -> list[bytes]:
-        """Waits until every key is there (then reads them: a key is only read once it exists), looking
+        """Polls until every key is there (then reads them: a key is only read once it exists), looking
         at the missing ranks now and then: ``look`` (where they are), then their heartbeats."""
         start = time.monotonic()
         seen: dict[int, tuple[str | None, float]] = {}
-        next_look = start + self._first_look
+        delay, next_look = 0.001, start + self._first_look
         while True:
-            if self._arrived(keys, next_look - time.monotonic()):
+            if self._kv.check(keys):
                 return list(self._kv.multi_get(keys))
             now = time.monotonic()
             if now >= next_look:
@@ -435,27 +435,8 @@ class RankGroup:
                 if look is not None:
                     look(missing)
                 self._liveness(missing, seen, start, now, what, where)
-
-    def _arrived(self, keys: list[str], seconds: float) -> bool:
-        """Whether every key is there within ``seconds``: the rendezvous server's own ``wait`` (woken
-        the moment the last key is set; issue 22: polls of every waiting rank were the load on that one
-        server, and their back-off the latency of an exchange), else a poll of ``check``."""
-        seconds = max(seconds, 0.001)
-        wait = getattr(self._kv, "wait", None)
-        # What a c10d store's ``wait`` raises when its deadline passes (a lost server raises
-        # DistNetworkError); torch.distributed is loaded by then (the store is one of its), and this
-        # module never imports torch itself (the CLI reads stores without it).
-        timed_out = getattr(sys.modules.get("torch.distributed"), "DistStoreError", None)
-        if wait is not None and timed_out is not None:
-            try:
-                wait(keys, datetime.timedelta(seconds=seconds))
-                return True
-            except timed_out:
-                return self._kv.check(keys)
-        if self._kv.check(keys):
-            return True
-        time.sleep(min(seconds, 0.01))
-        return self._kv.check(keys)
+            time.sleep(delay)
+            delay = min(delay * 2, self._poll_cap)
 
     def _forget(self) -> None:
         """After an exchange: deletes what this rank posted before it, which every rank has read by
