@@ -63,7 +63,11 @@ def child(args: argparse.Namespace) -> int:
     def one(r: int) -> None:
         kv = Counting(TCPStore("127.0.0.1", args.port, None, False, timeout=timeout))
         kv.add("connected", 1)
+        deadline = time.monotonic() + args.timeout
         while int(kv.add("connected", 0)) < args.n:  # every client connects before any rank starts
+            if time.monotonic() > deadline:
+                results[r] = {"error": f"the {args.n} clients did not all connect within {args.timeout:g} s"}
+                return
             time.sleep(0.05)
         try:
             g = RankGroup.of_ranks(r, args.n, kv, namespace=args.namespace, rank_timeout=args.rank_timeout)
