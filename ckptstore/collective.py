@@ -65,6 +65,15 @@ class Collective:
     def all(self, what: str, local: Callable[[], T], *, same: dict[str, Any] | None = None,
             doing: str | None = None) -> T:
         """Runs ``local`` on every rank and returns its result here (see the module docstring)."""
+        return self._all(what, local, same, doing, to_coordinator=False)[0]
+
+    def all_to_coordinator(self, what: str, local: Callable[[], Any], *, doing: str | None = None) -> list[Any] | None:
+        """``all``, with every rank's result (JSON) sent to rank 0 alone: on rank 0 the results by rank,
+        elsewhere None. What the ranks read back stays as small as ``all``'s (issue 22)."""
+        return self._all(what, local, None, doing, to_coordinator=True)[1]
+
+    def _all(self, what: str, local: Callable[[], T], same: dict[str, Any] | None, doing: str | None, *,
+             to_coordinator: bool) -> tuple[T, list[Any] | None]:
         err: BaseException | None = None
         result: T | None = None
         try:
@@ -74,14 +83,19 @@ class Collective:
         if self.ranks is None:
             if err is not None:
                 raise err
-            return result  # type: ignore[return-value]
-        msgs = self.ranks.exchange(what, {**outcome(err), **(same or {})}, **self.where)
+            return result, [result]  # type: ignore[return-value]
+        gathered: list[Any] | None = None
+        if to_coordinator:
+            msgs, gathered = self.ranks.exchange_to_coordinator(what, outcome(err), result if err is None else None,
+                                                                **self.where)
+        else:
+            msgs = self.ranks.exchange(what, {**outcome(err), **(same or {})}, **self.where)
         if err is not None:
             raise err
         if same:
             check_same(msgs, tuple(same), what, **self.where)
         check_all_ok(msgs, doing or what, **self.where)
-        return result  # type: ignore[return-value]
+        return result, gathered  # type: ignore[return-value]
 
     def coordinate(self, what: str, step: Callable[[], T], *, share: Callable[[T], Any] = lambda r: r,
                    receive: Callable[[Any], T] = lambda v: v, doing: str | None = None,
@@ -115,28 +129,30 @@ class Collective:
         return result if self.coordinator else receive(got["value"])  # type: ignore[return-value]
 
 
-    def gather(self, key: str, local: Callable[[], Any], coordinator: Callable[[], T], *,
+    def gather(self, key: str, local: Callable[[], Any], coordinator: Callable[[list[Any]], T], *,
                first: Callable[[], Any] | None = None, share: Callable[[T], Any] = lambda r: r,
                receive: Callable[[Any], T] = lambda v: v, doing: str,
                note: Callable[[], str | None] = lambda: None) -> T:
         """``first`` on rank 0 (if given) before ``local`` on any rank, then ``local`` on every rank,
-        then ``coordinator`` on rank 0 if every ``local`` succeeded; returns its result on every rank
-        or raises on every rank (see the module docstring). ``key`` names the posts (a cut id);
+        then ``coordinator`` on rank 0 if every ``local`` succeeded, given every rank's ``local`` result
+        (JSON: each rank posts its own to rank 0) by rank; returns its result on every rank or raises
+        on every rank (see the module docstring). ``key`` names the posts (a cut id);
         ``note`` as in :meth:`coordinate`. ``first`` is the cut's mark: no rank writes a shard of a
         cut before rank 0 marked it (issue 20)."""
         err: BaseException | None = None
+        part: Any = None
         try:
             if first is not None:
                 self._first(key, first, doing)
-            local()
+            part = local()
         except BaseException as exc:  # noqa: BLE001 - rank 0 hears of it in the posts
             err = exc
         if self.ranks is None:
             if err is not None:
                 raise err
-            return coordinator()
+            return coordinator([part])
         try:
-            self.ranks.post(f"written/{key}", outcome(err))
+            self.ranks.post(f"written/{key}", {**outcome(err), "part": part})
         except Exception:  # noqa: BLE001 - rank 0 then finds this rank silent
             pass
         if self.coordinator:
@@ -166,7 +182,7 @@ class Collective:
         if not got["ok"]:
             raise RankFailure(f"{doing} failed on rank 0 before any rank wrote: {got['error']}", ranks=[0], **where)
 
-    def _coordinate_posts(self, key: str, err: BaseException | None, coordinator: Callable[[], T],
+    def _coordinate_posts(self, key: str, err: BaseException | None, coordinator: Callable[[list[Any]], T],
                           share: Callable[[T], Any], doing: str, note: Callable[[], str | None]) -> T:
         assert self.ranks is not None
         where = {**self.where, "cut": key}
@@ -177,7 +193,7 @@ class Collective:
             if err is not None:
                 raise err
             check_all_ok([posts[r] for r in range(self.size)], doing, **where)
-            result = coordinator()
+            result = coordinator([posts[r].get("part") for r in range(self.size)])
         except BaseException as exc:  # noqa: BLE001 - posted for the others, then raised here
             failure = exc
         # Every rank posted "written" after reading "begun" (or after giving up on it): both go.

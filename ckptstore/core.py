@@ -21,6 +21,7 @@ from .kinds import StrKind
 from .lock import WriterLock
 from .manifest import Manifest
 from .options import StoreOptions
+from .assemble import PartCache
 from .pending import COMMITTED, PendingCut
 from .pointed import pointed_step
 from .protocol import CommitProtocol
@@ -58,6 +59,8 @@ class StoreCore:
         self.protocol = CommitProtocol(storage, options.on_phase, guard=self.lock.ensure_held)
         self.in_flight: dict[str, PendingCut] = {}
         self.manifests: ManifestCache = {}
+        #: Fragments of cuts of format 5 parsed by this handle's loads (``assemble.read_part``).
+        self.parts: PartCache = {}
         self.closed = False
         #: What recovery removed when this handle opened as the writer (``GcReport.at_open``).
         self.recovered: list[Leftover] = []

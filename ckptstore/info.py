@@ -31,7 +31,7 @@ class CutInfo:
         manifest says otherwise."""
         return cls(
             id=m.cut, step=m.step, tags=tuple(m.tags), created_at=datetime.fromisoformat(m.created_at),
-            nbytes=m.nbytes, final=m.final or marked_final, files=len(m.files), tensors=len(m.tensors),
+            nbytes=m.nbytes, final=m.final or marked_final, files=m.file_count, tensors=m.array_count,
             metadata=dict(m.metadata), world_size=m.world_size,
         )
 

@@ -21,8 +21,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from . import layout
+from . import hashing, layout
 from .attached import AttachedFile, check_listing
+from .fragments import PartRef, PartTable, parts_to_table
 from .format import ST_ITEMSIZE
 from .jsontext import compact_bytes, table_pieces, tree_pieces
 from .models import CutId, FileName, StrictModel, json_key_count
@@ -117,19 +118,28 @@ RANKS_FORMAT_VERSION = 3
 #: The manifest format of a cut of one rank since issue 23: version 2 with its arrays as one table
 #: (``records.records_to_table``): about 90 bytes an array where a row took 200, parsed column by column.
 TABLE_FORMAT_VERSION = 4
+#: The manifest format of a cut of several ranks since issue 22: a commit record of one entry per rank
+#: (``ckptstore.fragments``); each rank's files, arrays and tree are in its own fragment (its record).
+FRAGMENTS_FORMAT_VERSION = 5
+#: The keys a version 5 manifest holds instead of the parts themselves (they are in the fragments).
+_PART_ONLY = ("files", "tensors", "tree", "attached")
+#: What a version 5 manifest's ``tree`` is in memory: each rank's tree is in its fragment.
+_PARTS_TREE = {"t": "parts"}
 
 
 class Manifest(StrictModel):
     """A cut's manifest. New manifests of one rank are ``format_version`` 4 (2 with its arrays as a
-    table), of several ranks 3; versions 2 (arrays as rows) and 1 (plain file hashes, pretty-printed
-    JSON) still read, verify and load as they always did. Versions 2, 3 and 4 hash files the same way."""
+    table), of several ranks 5 (a commit record: ``parts`` references each rank's fragment, and
+    ``files``, ``tensors``, ``tree`` and ``attached`` are empty here: :mod:`ckptstore.assemble` reads
+    them); versions 3 (every rank merged), 2 (arrays as rows) and 1 (plain file hashes, pretty-printed
+    JSON) still read, verify and load as they always did. Versions 2-5 hash files the same way."""
 
     KIND = "ckptstore.manifest"
     FORMAT_VERSION: ClassVar[int] = TABLE_FORMAT_VERSION
-    READ_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3, 4)
+    READ_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3, 4, 5)
 
     kind: Literal["ckptstore.manifest"] = "ckptstore.manifest"
-    format_version: Literal[1, 2, 3, 4] = TABLE_FORMAT_VERSION
+    format_version: Literal[1, 2, 3, 4, 5] = TABLE_FORMAT_VERSION
     cut: CutId
     step: int = Field(ge=0, le=layout.MAX_STEP)
     tags: list[str] = Field(default_factory=list)
@@ -145,6 +155,8 @@ class Manifest(StrictModel):
     #: Files that belong to the cut (``files=``; ckptstore.attached). Written only when there are some,
     #: so a cut without files reads in versions that predate the field.
     attached: list[AttachedFile] = Field(default_factory=list)
+    #: Version 5: each rank's fragment, in rank order (``ckptstore.fragments``).
+    parts: PartTable = Field(default_factory=list)
 
     @field_validator("created_at")
     @classmethod
@@ -156,7 +168,18 @@ class Manifest(StrictModel):
     @classmethod
     def _table(cls, data: Any) -> Any:
         """Version 4 lists its arrays as a table, the others as rows: each form only in its versions."""
-        if type(data) is not dict or "tensors" not in data:
+        if type(data) is not dict:
+            return data
+        if data.get("format_version") == FRAGMENTS_FORMAT_VERSION:
+            present = [k for k in _PART_ONLY if k in data and data[k] not in ([], _PARTS_TREE)]
+            if present:
+                raise ValueError(f"format_version 5 keeps {present} in the ranks' fragments, not the manifest")
+            if "parts" not in data:
+                raise ValueError("format_version 5 lists its ranks' fragments in parts")
+            return {**data, "files": [], "tensors": [], "tree": _PARTS_TREE}
+        if "parts" in data:
+            raise ValueError(f"format_version {data.get('format_version')!r} has no parts (they are version 5's)")
+        if "tensors" not in data:
             return data
         tensors = data["tensors"]
         if data.get("format_version") == TABLE_FORMAT_VERSION:
@@ -175,10 +198,23 @@ class Manifest(StrictModel):
         """Whether this is the manifest of a cut of several ranks (version 3: a tree per rank)."""
         return self.format_version == RANKS_FORMAT_VERSION
 
+    @property
+    def fragmented(self) -> bool:
+        """Whether this is a commit record (version 5): each rank's part is in its fragment, read by
+        :func:`ckptstore.assemble.read_part` (one rank) or :func:`ckptstore.assemble.whole` (all)."""
+        return self.format_version == FRAGMENTS_FORMAT_VERSION
+
     @model_validator(mode="after")
     def _references(self) -> "Manifest":
         if layout.step_of_cut_id(self.cut) != self.step:
             raise ValueError(f"cut id {self.cut} does not match step {self.step}")
+        if self.fragmented:
+            if self.world_size < 2 or len(self.parts) != self.world_size:
+                raise ValueError(f"a commit record of {self.world_size} rank(s) lists {len(self.parts)} fragments: "
+                                 "it needs one per rank, and at least two ranks")
+            if self.pickled != any(p.pickled for p in self.parts):
+                raise ValueError("pickled must say whether any rank's part holds a pickled value")
+            return self
         if not self.ranked:
             if self.world_size != 1:
                 raise ValueError(f"world_size {self.world_size} needs format_version {RANKS_FORMAT_VERSION}")
@@ -204,6 +240,7 @@ class Manifest(StrictModel):
         cut's world size."""
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank!r} is outside the cut's world size {self.world_size}")
+        self._whole("for_rank")
         if not self.ranked:
             return self
         files = [f for f in self.files if f.rank == rank]
@@ -215,18 +252,28 @@ class Manifest(StrictModel):
 
     def rank_trees(self) -> list[tuple[int, dict[str, Any]]]:
         """(rank, tree) of every rank."""
+        self._whole("rank_trees")
         if not self.ranked:
             return [(0, self.tree)]
         return list(enumerate(self.tree["ranks"]))
 
+    def _whole(self, what: str) -> None:
+        if self.fragmented:
+            raise ValueError(f"cut {self.cut}'s manifest is a commit record (format 5): {what} needs its ranks' "
+                             "fragments (ckptstore.assemble.read_part / whole)")
+
     def to_bytes(self) -> bytes:
-        """Versions 2-4: compact JSON (the C encoder; ``indent`` would force the pure-Python one, half a
+        """Versions 2-5: compact JSON (the C encoder; ``indent`` would force the pure-Python one, half a
         save of 40,000 small tensors); 4 with its arrays as a table. Version 1 keeps its pretty-printed
         bytes. The tree's text reuses the remembered text of the subtrees it shares with the tree the
         writer last captured (``TreeText``; the bytes are those of ``compact_json`` all the same)."""
         # A TensorRecord holds JSON values only (str, int, list of int), so its rows are what
         # model_dump would make of them, without the cost (0.3 s for 40,000 records). The tree is JSON
         # values already, and model_dump refuses one nested past ~250 levels (a state of 84 dicts).
+        if self.fragmented:  # version 5: the cut's fields and the parts table, O(ranks)
+            doc = self.model_dump(mode="json", exclude={*_PART_ONLY, "parts"})
+            doc["parts"] = parts_to_table(self.parts)
+            return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
         if self.format_version == TABLE_FORMAT_VERSION:
             tensors: Any = records_to_table(self.tensors, [f.name for f in self.files])
         else:
@@ -257,9 +304,26 @@ class Manifest(StrictModel):
 
     @property
     def nbytes(self) -> int:
+        """The stored bytes of the cut's files (of every rank)."""
+        if self.fragmented:
+            return sum(p.data_nbytes for p in self.parts)
         return sum(f.nbytes for f in self.files)
 
+    @property
+    def file_count(self) -> int:
+        return sum(p.files for p in self.parts) if self.fragmented else len(self.files)
+
+    @property
+    def array_count(self) -> int:
+        """Arrays of every rank, attached files' arrays included."""
+        return sum(p.arrays for p in self.parts) if self.fragmented else len(self.tensors)
+
+    @property
+    def attached_count(self) -> int:
+        return sum(p.attached for p in self.parts) if self.fragmented else len(self.attached)
+
     def tensor_index(self) -> dict[str, TensorRecord]:
+        self._whole("tensor_index")
         return dict(zip(map(attrgetter("name"), self.tensors), self.tensors))
 
 
@@ -267,12 +331,18 @@ class RankRecord(StrictModel):
     """Rank ``rank``'s part of a cut of several ranks, written durably beside its shards once they are
     durable (``cuts/<cut>/rank<r>.json``): the "my files are written" record of the storage-side
     two-phase commit. The coordinator commits the cut once all ``world_size`` records are there;
-    until then the cut is in progress (marked) and its records commit nothing."""
+    until then the cut is in progress (marked) and its records commit nothing.
+
+    Format 2 (issue 22) is the fragment a version 5 commit record references by size and blake3:
+    compact JSON with its arrays as a table (as a version 4 manifest's). Format 1 (pretty-printed,
+    arrays as rows) is what cuts of version 3 were committed from; it still reads."""
 
     KIND = "ckptstore.rank"
+    FORMAT_VERSION: ClassVar[int] = 2
+    READ_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)
 
     kind: Literal["ckptstore.rank"] = "ckptstore.rank"
-    format_version: Literal[1] = 1
+    format_version: Literal[1, 2] = 2
     cut: CutId
     step: int = Field(ge=0, le=layout.MAX_STEP)
     rank: int = Field(ge=0)
@@ -285,9 +355,48 @@ class RankRecord(StrictModel):
     pickled: bool = False
     attached: list[AttachedFile] = Field(default_factory=list)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _table(cls, data: Any) -> Any:
+        """Format 2 lists its arrays as a table, format 1 as rows."""
+        if type(data) is not dict or "tensors" not in data:
+            return data
+        tensors = data["tensors"]
+        if data.get("format_version", 2) == 2:
+            if type(tensors) is list and all(type(t) is TensorRecord for t in tensors):
+                return data  # built in this process
+            files = data.get("files")
+            names = [f.get("name") if type(f) is dict else getattr(f, "name", None) for f in files] \
+                if type(files) is list else []
+            return {**data, "tensors": table_to_records(tensors, names)}
+        if type(tensors) is dict:
+            raise ValueError("a rank record of format 1 lists tensors as rows, not a table")
+        return data
+
     def to_bytes(self) -> bytes:
-        doc = _document(self, {"tree": self.tree})  # a deep tree, as in Manifest.to_bytes
-        return (json.dumps(doc, indent=1, sort_keys=False) + "\n").encode()
+        if self.format_version == 1:
+            doc = _document(self, {"tree": self.tree})  # a deep tree, as in Manifest.to_bytes
+            return (json.dumps(doc, indent=1, sort_keys=False) + "\n").encode()
+        table = records_to_table(self.tensors, [f.name for f in self.files])
+        doc = _document(self, {"tensors": table, "tree": self.tree})
+        parts = [b"{"]
+        for i, (k, v) in enumerate(doc.items()):
+            parts.append((b"," if i else b"") + compact_bytes(k) + b":")
+            if k == "tree":
+                parts.extend(tree_pieces(self.tree))
+            elif k == "tensors":
+                parts.extend(table_pieces(table))
+            else:
+                parts.append(compact_bytes(v))
+        parts.append(b"}\n")
+        del doc, table
+        return b"".join(parts)
+
+    def part_ref(self, data: bytes) -> PartRef:
+        """What the commit record says of this record, whose bytes are ``data``."""
+        return PartRef(layout.rank_record_name(self.rank), len(data), hashing.digest(data),
+                       sum(f.nbytes for f in self.files), len(self.files), len(self.tensors), len(self.attached),
+                       bool(self.pickled))
 
     def json_key_count(self) -> int:
         return _key_count(self)
@@ -331,19 +440,22 @@ def _key_count(model: "Manifest | RankRecord") -> int:
     allowed, so each parsed record set exactly that many distinct keys."""
     fields = model.model_fields_set
     rest = [getattr(model, f) for f in fields if f != "tensors"]
-    if getattr(model, "format_version", None) == TABLE_FORMAT_VERSION:
+    if isinstance(model, Manifest) and model.fragmented:  # O(ranks), not of arrays: its document's own count
+        return json_key_count(json.loads(model.to_bytes()))
+    if getattr(model, "format_version", None) == TABLE_FORMAT_VERSION or (
+            isinstance(model, RankRecord) and model.format_version == 2):
         return len(fields) + json_key_count(rest) + (len(TABLE_KEYS) if "tensors" in fields else 0)
     return len(fields) + json_key_count(rest) + len(FIELDS) * len(model.tensors)
 
 
 def _document(model: StrictModel, raw: dict[str, Any]) -> dict[str, Any]:
     """The JSON document of ``model`` in field order, with the fields in ``raw`` taken as they are."""
-    dumped = model.model_dump(mode="json", exclude=set(raw))
-    doc = {k: raw[k] if k in raw else dumped[k] for k in type(model).model_fields}
+    dumped = model.model_dump(mode="json", exclude={*raw, "parts"})
+    doc = {k: raw[k] if k in raw else dumped[k] for k in type(model).model_fields if k != "parts"}
     if not doc.get("attached", True):
         del doc["attached"]  # readers that predate attached files still read a cut without any
     return doc
 
 
-__all__ = ["Manifest", "RankRecord", "RANKS_FORMAT_VERSION", "TABLE_FORMAT_VERSION", "FileRecord", "TensorRecord",
+__all__ = ["Manifest", "RankRecord", "RANKS_FORMAT_VERSION", "TABLE_FORMAT_VERSION", "FRAGMENTS_FORMAT_VERSION", "PartRef", "FileRecord", "TensorRecord",
            "WriterIdentity", "ST_ITEMSIZE"]

@@ -34,6 +34,7 @@ import time
 from typing import Callable
 
 from . import cutting, labeling, layout
+from .assemble import part_manifest, read_fragment
 from .core import StoreCore
 from .errors import CutNotFound, DataError, RankFailure, UsageError
 from .info import CutInfo
@@ -142,7 +143,15 @@ def _mirrored(d: StoreCore, m: Manifest, data: bytes) -> bool:
 def _post_part(s: StoreCore, d: StoreCore, m: Manifest, rank: int, progress: Progress | None) -> None:
     """This rank's files streamed into the mirror's cut and checked, then its record (durably). A local
     file that does not verify stops it: recorded bad locally, raised, and no record posted."""
-    part = m.for_rank(rank)
+    record, fragment = None, b""
+    if m.fragmented:  # format 5: the rank's fragment, checked, is copied byte for byte after its files
+        try:
+            record, fragment = read_fragment(s.storage, s.url, m, rank)
+        except DataError as exc:
+            raise source_damage(s, d, m, exc) from exc
+        part = part_manifest(m, record)
+    else:
+        part = m.for_rank(rank)
     by_file: dict[str, list[TensorRecord]] = {}
     for t in part.tensors:
         by_file.setdefault(t.file, []).append(t)
@@ -152,6 +161,9 @@ def _post_part(s: StoreCore, d: StoreCore, m: Manifest, rank: int, progress: Pro
             copy_file(s.storage, d.storage, m, rec, by_file.get(rec.name, []), progress)
         except DataError as exc:
             raise source_damage(s, d, m, exc) from exc
+    if record is not None:
+        share.publish_copy(record, fragment)
+        return
     share.publish(part.files, part.tensors, CutIntent(tree=part.tree, pickled=has_pickle(part.tree),
                                                       attached=part.attached, mode=MODE, world_size=m.world_size))
 

@@ -13,8 +13,9 @@ uncommitted cut. States::
 
 Any other transition raises ``UsageError``. The files of a cut are recorded per rank. In a cut of
 several ranks every rank writes its share through a :class:`RankPart` (shards, then its durable rank
-record), and the coordinator's ``PendingCut`` reads all records (``collect_ranks``) and commits them in
-one manifest.
+record, the part's fragment), and tells the coordinator the record's size and digest; the
+coordinator's ``PendingCut`` commits a record of those (``take_parts``, format 5: no fragment is read,
+issue 22), or reads every record itself where nobody told it (``collect_ranks``: rescue, mirrors).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from .gcpause import pausing
 from .ident import host_identity
 from .info import CutInfo
 from .intent import CutIntent, ShardSpec
-from .manifest import RANKS_FORMAT_VERSION, FileRecord, Manifest, RankRecord, TensorRecord, WriterIdentity
+from .fragments import PartRef
+from .manifest import FRAGMENTS_FORMAT_VERSION, FileRecord, Manifest, RankRecord, TensorRecord, WriterIdentity
 from .protocol import CommitProtocol, CommitUnknown, now_iso
 from .shards import Codec
 from .version import __version__
@@ -65,6 +67,9 @@ class PendingCut:
         self._files: dict[int, tuple[list[FileRecord], list[TensorRecord]]] = {}
         self._trees: dict[int, tuple[dict[str, Any], bool]] = {}
         self._attached: dict[int, list[AttachedFile]] = {}
+        #: Cuts of several ranks: each rank's fragment as the rank described it (``take_parts``) or as
+        #: ``collect_ranks`` read it: what the commit record lists (format 5, issue 22).
+        self._refs: dict[int, PartRef] = {}
         self._on_end = on_end
         # Held over steps 4-5: LATEST is read, then replaced, and two cuts of one handle in two threads
         # (a restore's background write-back and the trainer's next cut, issue 21) must not interleave
@@ -140,7 +145,7 @@ class PendingCut:
             raise CkptStoreError(f"rank(s) {missing} have not published their files of cut {self.id}",
                                  store=self._protocol.url, cut=self.id)
         for rank in range(self.world_size):
-            rec = self._protocol.read_rank(self.id, rank)
+            rec, data = self._protocol.read_rank(self.id, rank)
             if (rec.cut, rec.step, rec.rank, rec.world_size) != (self.id, self.step, rank, self.world_size):
                 raise CorruptCut(f"rank record names cut {rec.cut} step {rec.step} rank {rec.rank} of "
                                  f"{rec.world_size}, expected rank {rank} of {self.world_size}",
@@ -156,6 +161,37 @@ class PendingCut:
             self._files[rank] = (list(rec.files), list(rec.tensors))
             self._trees[rank] = (rec.tree, rec.pickled)
             self._attached[rank] = list(rec.attached)
+            self._refs[rank] = rec.part_ref(data)
+
+    def copy_part(self, record: RankRecord, data: bytes) -> None:
+        """Another store's fragment of this cut (``data``, its bytes: a mirror copies a cut of format 5
+        byte for byte, issue 21) written here durably once the rank's files are, and recorded as
+        ``collect_ranks`` records a record it read."""
+        self._require(OPEN, "copy a rank's part")
+        self._protocol.publish_rank(record, data)
+        self._files[record.rank] = (list(record.files), list(record.tensors))
+        self._trees[record.rank] = (record.tree, record.pickled)
+        self._attached[record.rank] = list(record.attached)
+        self._refs[record.rank] = record.part_ref(data)
+
+    def take_parts(self, parts: Sequence[Any]) -> None:
+        """Each rank's fragment as the rank itself described it once it was durable (its ``written``
+        post: :meth:`RankPart.publish`'s ``ref``), in rank order: the commit record is made of these,
+        and no fragment is read (issue 22). ``CorruptCut`` naming the rank for a reference that is not
+        a sane one of its own record."""
+        self._require(OPEN, "take the ranks' parts")
+        if len(parts) != self.world_size:
+            raise UsageError(f"cut {self.id} of {self.world_size} ranks got {len(parts)} part references",
+                             store=self._protocol.url, cut=self.id)
+        refs = {}
+        for rank, value in enumerate(parts):
+            try:
+                refs[rank] = value if type(value) is PartRef else PartRef.from_json(value, rank)
+            except ValueError as exc:
+                raise CorruptCut(f"rank {rank}'s description of its part is not valid: {exc}; the cut is not "
+                                 "committed", store=self._protocol.url, cut=self.id,
+                                 path=layout.rank_record_path(self.id, rank)) from None
+        self._refs = refs
 
     def discard_files(self) -> None:
         """Drops the files written so far (a writer process died mid-cut), keeping the cut marked, so
@@ -193,8 +229,9 @@ class PendingCut:
         where = {"store": self._protocol.url, "cut": self.id, "path": layout.manifest_path(self.id)}
         manifest = Manifest.from_bytes(data, **where)
         recorded = {f.name: f for f in self.files()}
-        if (manifest.cut, manifest.step, manifest.world_size) != (self.id, self.step, self.world_size) or \
-                {f.name: f for f in manifest.files} != recorded:
+        same = (manifest.parts == [self._refs.get(r) for r in range(self.world_size)] if manifest.fragmented
+                else {f.name: f for f in manifest.files} == recorded)
+        if (manifest.cut, manifest.step, manifest.world_size) != (self.id, self.step, self.world_size) or not same:
             raise UsageError(f"the manifest to copy names cut {manifest.cut} step {manifest.step} of "
                              f"{manifest.world_size} rank(s) and {len(manifest.files)} file(s), not the "
                              f"{len(recorded)} recorded of this cut", **where)
@@ -236,10 +273,15 @@ class PendingCut:
             pass
         return CutInfo.from_manifest(manifest)
 
-    def finish(self, intent: CutIntent | None = None, /, **fields: Any) -> CutInfo:
-        """The coordinator's side of every driver: collect the parts (rank records; one rank's was
-        published here), make their names durable, commit. One copy of the sequence (issue 20)."""
-        self.collect_ranks()
+    def finish(self, intent: CutIntent | None = None, /, *, parts: Sequence[Any] | None = None,
+               **fields: Any) -> CutInfo:
+        """The coordinator's side of every driver: the parts (one rank's was published here; of
+        several, ``parts`` as the ranks described their records, else the records read), their names
+        durable, commit. One copy of the sequence (issue 20)."""
+        if parts is not None and self.world_size > 1:
+            self.take_parts(parts)
+        else:
+            self.collect_ranks()
         self.files_durable()
         return self.commit(intent, **fields)
 
@@ -247,16 +289,19 @@ class PendingCut:
         files = [f for rank in sorted(self._files) for f in self._files[rank][0]]
         tensors = [t for rank in sorted(self._files) for t in self._files[rank][1]]
         tree, pickled, attached = intent.tree, intent.pickled, intent.attached
-        extra: dict[str, Any] = {}
         if self.world_size > 1:
-            # Every rank's part (the coordinator's too: the intent's part fields) is in its record.
-            if len(self._trees) != self.world_size:
-                raise UsageError(f"cut {self.id} of {self.world_size} ranks commits the trees of its collected "
-                                 "rank records (collect_ranks first)", store=self._protocol.url, cut=self.id)
-            tree = {"t": "ranks", "ranks": [self._trees[r][0] for r in range(self.world_size)]}
-            pickled = any(p for _, p in self._trees.values())
-            attached = [a for r in range(self.world_size) for a in self._attached.get(r, [])]
-            extra = {"format_version": RANKS_FORMAT_VERSION, "world_size": self.world_size}
+            # Every rank's part (the coordinator's too: the intent's part fields) is in its record,
+            # its fragment: the commit record lists them (format 5, issue 22).
+            if len(self._refs) != self.world_size:
+                raise UsageError(f"cut {self.id} of {self.world_size} ranks commits its ranks' fragments "
+                                 "(take_parts or collect_ranks first)", store=self._protocol.url, cut=self.id)
+            parts = [self._refs[r] for r in range(self.world_size)]
+            ident = host_identity()
+            return Manifest(
+                format_version=FRAGMENTS_FORMAT_VERSION, world_size=self.world_size, cut=self.id, step=self.step,
+                tags=list(intent.tags), final=intent.final, created_at=now_iso(),
+                writer=WriterIdentity(host=ident.host, pid=ident.pid, ckptstore_version=__version__, mode=intent.mode),
+                metadata=dict(intent.metadata), parts=parts, pickled=any(p.pickled for p in parts))
         elif tree is None and 0 in self._trees:  # the part published here
             tree, pickled = self._trees[0]
             attached = self._attached.get(0, [])
@@ -267,7 +312,7 @@ class PendingCut:
             cut=self.id, step=self.step, tags=list(intent.tags), final=intent.final, created_at=now_iso(),
             writer=WriterIdentity(host=ident.host, pid=ident.pid, ckptstore_version=__version__, mode=intent.mode),
             metadata=dict(intent.metadata), files=files, tensors=tensors, tree=tree, pickled=pickled,
-            attached=list(attached), **extra,
+            attached=list(attached),
         )
 
     @staticmethod
@@ -308,6 +353,7 @@ class RankPart:
         self.world_size = world_size
         self.shards = shards if shards is not None else ShardSpec()
         self.published = False
+        self.ref: PartRef | None = None
 
     def __repr__(self) -> str:
         return f"RankPart({self.id!r}, rank {self.rank} of {self.world_size})"
@@ -338,15 +384,32 @@ class RankPart:
         tree, pickled, mode, attached = part.tree, part.pickled, part.mode, part.attached
         if self.published:
             raise UsageError(f"rank {self.rank} already published its part of cut {self.id}", cut=self.id)
+        # The commit reads no record (issue 22): a rank checks its own before it describes it.
+        foreign = [f.name for f in files if layout.shard_rank(f.name) != self.rank]
+        if foreign:
+            raise ManifestError(f"rank {self.rank}'s part lists file(s) {foreign[:3]} that are not its shards",
+                                store=self._protocol.url, cut=self.id, path=layout.rank_record_path(self.id, self.rank))
         self._protocol.files_durable(self.id)
         ident = host_identity()
         record = RankRecord(cut=self.id, step=self.step, rank=self.rank, world_size=self.world_size,
                             created_at=now_iso(), files=list(files), tensors=list(tensors), tree=tree, pickled=pickled,
                             attached=[a.model_copy(update={"rank": self.rank}) for a in attached],
                             writer=WriterIdentity(host=ident.host, pid=ident.pid, ckptstore_version=__version__, mode=mode))
-        self._protocol.publish_rank(record)
+        data = self._protocol.publish_rank(record)
         self.published = True
+        #: What the commit record lists of this part: the rank tells the coordinator (issue 22).
+        self.ref = record.part_ref(data)
         return record
+
+    def publish_copy(self, record: RankRecord, data: bytes) -> None:
+        """Another store's record of this rank (``data``, its bytes, unchanged: a mirror copies a cut
+        byte for byte) once this rank's files are copied; as :meth:`publish` otherwise."""
+        if self.published:
+            raise UsageError(f"rank {self.rank} already published its part of cut {self.id}", cut=self.id)
+        self._protocol.files_durable(self.id)
+        self._protocol.publish_rank(record, data)
+        self.published = True
+        self.ref = record.part_ref(data)
 
 
 __all__ = ["PendingCut", "RankPart"]

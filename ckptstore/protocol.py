@@ -148,11 +148,14 @@ class CommitProtocol:
         self._storage.sync_dir(layout.cut_dir(cut))
         self.phase(SavePhase.SHARDS_SYNCED, cut)
 
-    def publish_rank(self, record: RankRecord) -> None:
-        """Step 3b (cuts of several ranks): a rank's record, durably, once its shards and their names
-        are durable. Any rank may do this; it changes no committed state."""
-        self._storage.write_durably(layout.rank_record_path(record.cut, record.rank), record.to_bytes())
+    def publish_rank(self, record: RankRecord, data: bytes | None = None) -> bytes:
+        """Step 3b (cuts of several ranks): a rank's record (its fragment), durably, once its shards
+        and their names are durable; returns its bytes (``data``: another store's bytes of it, copied
+        unchanged). Any rank may do this; it changes no committed state."""
+        data = record.to_bytes() if data is None else data
+        self._storage.write_durably(layout.rank_record_path(record.cut, record.rank), data)
         self.phase(SavePhase.RANK_WRITTEN, record.cut)
+        return data
 
     def ranks_published(self, cut: str) -> set[int]:
         """The ranks whose record is in the cut's directory now."""
@@ -165,9 +168,11 @@ class CommitProtocol:
         the cut never be marked)."""
         self._storage.make_dir(layout.cut_dir(cut))
 
-    def read_rank(self, cut: str, rank: int) -> RankRecord:
+    def read_rank(self, cut: str, rank: int) -> tuple[RankRecord, bytes]:
+        """Rank ``rank``'s record of ``cut`` and its bytes."""
         path = layout.rank_record_path(cut, rank)
-        return RankRecord.from_bytes(self._storage.read_bytes(path), store=self.url, cut=cut, path=path)
+        data = self._storage.read_bytes(path)
+        return RankRecord.from_bytes(data, store=self.url, cut=cut, path=path), data
 
     def write_manifest(self, manifest: Manifest) -> str:
         """Step 4: publishes the manifest; returns the blake3 of its bytes for LATEST."""

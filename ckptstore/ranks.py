@@ -231,6 +231,20 @@ class RankGroup:
         ranks that send nothing). Every rank posts, senders or not, so every exchange compares the
         calls the ranks are in. Raises ``RankFailure`` naming the ranks that are in another collective
         call, or showed no sign of life within ``rank_timeout``."""
+        msgs = self._exchange(what, payload, senders, None, where)
+        return [m["p"] if senders is None or r in senders else None for r, m in enumerate(msgs)]
+
+    def exchange_to_coordinator(self, what: str, payload: Any, private: Any, **where: Any
+                                ) -> tuple[list[Any], list[Any] | None]:
+        """``exchange`` of ``payload``, every rank also sending ``private`` to rank 0 alone: (the
+        payloads by rank, on rank 0 the private values by rank, elsewhere None). Rank 0's answer
+        leaves the private values out, so what the others read stays small (issue 22: a fragment
+        reference from each of 4,096 ranks read by each of them would be O(ranks^2) bytes)."""
+        msgs = self._exchange(what, payload, None, private, where)
+        return [m["p"] for m in msgs], [m.get("c") for m in msgs] if self.rank == 0 else None
+
+    def _exchange(self, what: str, payload: Any, senders: Sequence[int] | None, private: Any,
+                  where: dict[str, Any]) -> list[dict[str, Any]]:
         if self._broken is not None:
             raise RankFailure(f"the ranks can no longer agree: {self._broken.message}", ranks=self._broken.ranks,
                               exchange=what, **where)
@@ -239,13 +253,15 @@ class RankGroup:
         self._seq += 1
         sends = senders is None or self.rank in senders
         mine = self._msg_key(self.opening, self._seq, self.rank)
+        message: dict[str, Any] = {"x": what, "p": payload if sends else None}
+        if private is not None:
+            message["c"] = private
         with self.busy():
             try:
                 # Where this rank is, then (or at once) its message: a rank that reads this place and
                 # then finds no message here knows the message is still to come (_waits_elsewhere).
                 self._kv.multi_set([self._at_key(self.rank), mine],
-                                   [json.dumps([self.opening, self._seq, what]),
-                                    json.dumps({"x": what, "p": payload if sends else None})])
+                                   [json.dumps([self.opening, self._seq, what]), json.dumps(message)])
                 msgs = self._await_exchange(what, where)
             except RankFailure as exc:
                 exc.exchange = what  # raised while waiting in this exchange: say so as a field
@@ -260,7 +276,7 @@ class RankGroup:
         self._posted.append(mine)
         if self.rank == 0:  # every rank has read the answer once it posts in the next exchange
             self._posted.append(self._answer_key())
-        return [m["p"] if senders is None or r in senders else None for r, m in enumerate(msgs)]
+        return msgs
 
     def _await_exchange(self, what: str, where: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's message of this exchange, through rank 0 (issue 22: O(ranks) messages, not
@@ -304,6 +320,8 @@ class RankGroup:
         # ranks of one call mostly send the same few messages, so it stays small at any world size.
         distinct: dict[bytes, int] = {}
         runs: list[list[int]] = []
+        if any("c" in m for m in msgs):  # what was for rank 0 alone stays out of the answer
+            raw = [json.dumps({"x": m["x"], "p": m["p"]}).encode() for m in msgs]
         for v in raw:
             i = distinct.setdefault(bytes(v), len(distinct))
             if runs and runs[-1][0] == i:

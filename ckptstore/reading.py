@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from . import layout, pointed
 from .arrays import resolve_map_location
+from .assemble import PartCache, read_part, whole
 from .attached import Restorer
 from .core import StoreCore
 from .errors import CutNotFound, HostileInput, UsageError
@@ -26,6 +27,7 @@ from .info import CutInfo
 from .loader import FileTaps, load_manifest, restore_attached
 from .manifest import Manifest
 from .repairing import record_bad_quietly
+from .storage import Storage
 from .selection import Check, CutSelector, Tier, choose_across, latest_manifest, select_manifest
 from .verify import Progress, VerifyReport, verify_store
 
@@ -63,7 +65,7 @@ def load(core: StoreCore, cut: CutSelector, *, map_location: Any, verify: bool, 
             manifest(core, cut)
         except CutNotFound:
             core = mirror
-    return load_part(core, rank_manifest(manifest(core, cut), rank, core.url), map_location=map_location,
+    return load_part(core, rank_manifest(manifest(core, cut), rank, core.url, core.storage, core.parts), map_location=map_location,
                      verify=verify, keys=keys, allow_pickle=allow_pickle, allowed_types=allowed_types)
 
 
@@ -85,7 +87,7 @@ def restore_files(core: StoreCore, cut: CutSelector, to: str | os.PathLike[str],
     """See :meth:`ckptstore.Store.restore_files`."""
     if rank is None and core.ranks is not None:
         rank = core.ranks.rank
-    return restore_part_files(core, rank_manifest(manifest(core, cut), rank, core.url), to, overwrite=overwrite,
+    return restore_part_files(core, rank_manifest(manifest(core, cut), rank, core.url, core.storage, core.parts), to, overwrite=overwrite,
                               verify=verify)
 
 
@@ -107,6 +109,11 @@ def manifest(core: StoreCore, cut: CutSelector) -> Manifest:
         if m is not None:
             return m
     return core.manifest(cut)
+
+
+def whole_manifest(core: StoreCore, cut: CutSelector) -> Manifest:
+    """``manifest`` with every rank's part in it (``assemble.whole``: every fragment of a cut of format 5)."""
+    return whole(core.storage, core.url, manifest(core, cut))
 
 
 def lists_nothing(core: StoreCore) -> bool:
@@ -169,19 +176,25 @@ def verify(core: StoreCore, cut: CutSelector | None, *, progress: Progress | Non
     return verify_store(core.storage, cls, cut=cut_id, progress=progress)
 
 
-def rank_manifest(m: Manifest, rank: int | None, url: str) -> Manifest:
+def rank_manifest(m: Manifest, rank: int | None, url: str, storage: Storage | None = None,
+                  cache: PartCache | None = None) -> Manifest:
     """Rank ``rank``'s part of a cut (a cut of one rank is its own part 0); a ``UsageError`` that names
-    the cut's world size when ``rank`` is missing for a cut of several ranks, or outside it."""
+    the cut's world size when ``rank`` is missing for a cut of several ranks, or outside it. A cut of
+    version 5 reads the rank's fragment from ``storage`` (one object, checked: ``assemble.read_part``)."""
     if rank is None:
         if m.world_size > 1:
             raise UsageError(f"cut {m.cut} holds the state of {m.world_size} ranks (world size {m.world_size}); "
                              f"pass rank= (0 to {m.world_size - 1}) to load one", store=url, cut=m.cut)
         return m
     try:
+        if m.fragmented:
+            if storage is None:
+                raise ValueError(f"cut {m.cut}'s part of rank {rank} is in its fragment: pass the storage")
+            return read_part(storage, url, m, rank, cache)
         return m.for_rank(rank)
     except ValueError as exc:
         raise UsageError(str(exc), store=url, cut=m.cut) from None
 
 
 __all__ = ["Chosen", "choose", "choose_tiers", "cuts", "latest", "lists_nothing", "load", "load_part", "manifest", "named_manifest",
-           "pointed_manifest", "rank_manifest", "restore_files", "restore_part_files", "verify"]
+           "pointed_manifest", "rank_manifest", "restore_files", "restore_part_files", "verify", "whole_manifest"]

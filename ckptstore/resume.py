@@ -273,8 +273,8 @@ def _restore_part(core: StoreCore, m: Manifest, info: CutInfo, skipped: dict[str
     part already loaded (and verified) by the choice, not read again."""
     from .dtensors import node_at, restore_into
 
-    mine = reading.rank_manifest(m, rank, core.url)  # what load(rank=rank) reads
-    part = m.for_rank(rank or 0)
+    mine = reading.rank_manifest(m, rank, core.url, core.storage, core.parts)  # what load(rank=rank) reads
+    part = mine if m.world_size > 1 or rank is not None else m.for_rank(0)
     if state is None:
         state = reading.load_part(core, mine, map_location=map_location, verify=True, keys=None, allow_pickle=False,
                                   allowed_types=allowed_types)

@@ -69,26 +69,29 @@ def _save(store: StoreCore, c: Collective, state: Any, *, step: int, tags: Seque
     marks.append(time.perf_counter())
     intent = CutIntent(tags=list(tags), final=bool(final), metadata=metadata, mode="sync", world_size=c.size)
     pending: PendingCut | None = None
+    parts: list[Any] | None = None
 
     def begin() -> str:
         nonlocal pending
         pending = begin_cut(store, step, writer="store.save", cut=None, world_size=c.size)
         return pending.id
 
-    def write() -> None:
+    def write() -> dict[str, Any] | None:
         part: PendingCut | RankPart = (pending if c.size == 1  # type: ignore[assignment]
                                        else group_rank_part(store, cut, step))
         written, arrays = part.write(items)
         part.publish(written, arrays, intent.model_copy(update={"tree": tree, "pickled": pickled, "attached": attached}))
+        # Of several ranks: what the commit record lists of this rank's fragment, for rank 0 (issue 22).
+        return part.ref.to_json() if isinstance(part, RankPart) and part.ref is not None else None
 
     def commit() -> CutInfo:
         assert pending is not None
-        return pending.finish(intent)
+        return pending.finish(intent, parts=parts if c.size > 1 else None)
 
     try:
         cut = c.coordinate("save-begin", begin, doing=f"to begin the cut of step {step}")
         c.at(cut=cut)
-        c.all("save-written", write, doing=f"writing cut {cut}")
+        parts = c.all_to_coordinator("save-written", write, doing=f"writing cut {cut}")
         marks.append(time.perf_counter())
         info = c.coordinate("save-commit", commit, share=lambda i: {**i.to_json(), "metadata": i.metadata},
                             receive=CutInfo.from_json, doing=f"to commit cut {cut}", note=lambda: PendingCut.left_as(pending),

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import cutting, layout, opening, repairing
+from . import assemble, cutting, layout, opening, repairing
 from .arrays import ArrayItem, describe, empty_for, torch_dtype_name
 from .attached import AttachedFile, FilesArg, Source, close_sources, open_sources
 from .collective import Collective
@@ -59,6 +59,7 @@ from .options import StoreOptions
 from .pending import PendingCut, RankPart
 from .protocol import CommitProtocol
 from .ranks import RankFailure, RankGroup, check_all_ok, check_same, outcome
+from .reading import rank_manifest
 from .rescue import ensure_marked, finish_orphaned_cut
 from .retention import Policy, policy_from_json, policy_to_json
 from .pointed import read_or_none
@@ -95,6 +96,18 @@ def shard_spec(store: Store) -> ShardSpec:
 def shard_codec(store: Store) -> Codec:
     """The codec the store's shards are written with (``shard_spec(store).make_codec()``)."""
     return cutting.shard_codec(core_of(store))
+
+
+def part_of(store: Store, m: Manifest, rank: int) -> Manifest:
+    """Rank ``rank``'s part of committed cut ``m`` (one fragment read for a cut of format 5)."""
+    core = core_of(store)
+    return rank_manifest(m, rank, core.url, core.storage)
+
+
+def whole_of(store: Store, m: Manifest) -> Manifest:
+    """Committed cut ``m`` with every rank's part in it (every fragment read for a cut of format 5)."""
+    core = core_of(store)
+    return assemble.whole(core.storage, core.url, m)
 
 
 def classify(store: Store) -> Classification:

@@ -189,8 +189,11 @@ class Store:
         return reading.latest(self._core)
 
     def manifest(self, cut: CutSelector = "latest") -> Manifest:
-        """The manifest of a committed cut: "latest", a cut id, or an int step."""
-        return reading.manifest(self._core, cut)
+        """The manifest of a committed cut: "latest", a cut id, or an int step. A cut of several ranks
+        committed as format 5 (a commit record and a fragment per rank, issue 22) is given whole, every
+        fragment read and checked: as a manifest of format 3 holds it (``Manifest.for_rank`` works).
+        ``load(rank=r)`` reads one fragment only."""
+        return reading.whole_manifest(self._core, cut)
 
     @pausing
     def load(

@@ -32,7 +32,8 @@ from .manifest import Manifest
 from .ranks import RankGroup, check_all_ok, outcome
 from .recovery import Classification
 from .repairing import record_bad_quietly
-from .verify import FindingKind, tree_problem, verify_file
+from .assemble import fragment_path, read_part
+from .verify import FindingKind, part_tree_problem, tree_problem, verify_file
 
 #: The tiers in the order a copy is preferred in (a tie at a step goes to the local tier).
 TIERS = ("local", "mirror")
@@ -156,7 +157,16 @@ def part_damage(core: StoreCore, m: Manifest, rank: int) -> tuple[str | None, st
     """The first finding that proves rank ``rank``'s part of committed cut ``m`` damaged in this tier
     (a tree that does not decode, a file missing, short or hashing wrong) and its path; (None, None)
     when the part verifies. Only this rank's files are read. An I/O error raises: it proves nothing."""
-    problem = tree_problem(m)
+    if m.fragmented:  # format 5: this rank's fragment alone, checked against the commit record first
+        try:
+            m = read_part(core.storage, core.url, m, rank)
+        except StorageError:
+            raise
+        except DataError as exc:
+            return f"{FindingKind.CORRUPT_FILE}: {exc.message}", fragment_path(m.cut, rank)
+        problem = part_tree_problem(m, rank)
+    else:
+        problem = tree_problem(m)
     if problem is not None:
         return f"{FindingKind.TREE_INVALID}: {problem}", None
     for rec in m.files:

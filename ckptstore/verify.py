@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from . import hashing, layout
+from .assemble import fragment_path, part_manifest, read_fragment
 from .errors import (CkptStoreError, StorageError, CorruptCut, DataError, HashMismatch, MissingFile, NotAFile,
                      TruncatedFile)
 from .kinds import StrKind
@@ -250,18 +251,25 @@ def tree_problem(m: Manifest) -> str | None:
     does not declare, or a node a load could not decode), or None. Checked without loading anything,
     by the decoder loads use (``tree.check_tree``)."""
     for rank, _ in m.rank_trees():
-        part = m.for_rank(rank)
-        of_rank = f" of rank {rank}" if m.world_size > 1 else ""
-        names = set(leaf_names(part.tree))
-        unknown = names - {t.name for t in part.tensors}
-        if unknown:
-            return f"tree{of_rank} names arrays the manifest does not record: {sorted(unknown)[:3]}"
-        if has_pickle(part.tree) and not m.pickled:
-            return f"tree{of_rank} holds a pickled value the manifest does not declare (hostile or damaged)"
-        try:  # every node, decoded as a load decodes it (issue 10, item 8)
-            check_tree(part.tree, part.tensor_index())
-        except CkptStoreError as exc:
-            return f"rank {rank}: {exc.message}" if of_rank else exc.message
+        problem = part_tree_problem(m.for_rank(rank), rank)
+        if problem is not None:
+            return problem
+    return None
+
+
+def part_tree_problem(part: Manifest, rank: int) -> str | None:
+    """``tree_problem`` of rank ``rank``'s part (``Manifest.for_rank``, or a fragment's)."""
+    of_rank = f" of rank {rank}" if part.world_size > 1 else ""
+    names = set(leaf_names(part.tree))
+    unknown = names - {t.name for t in part.tensors}
+    if unknown:
+        return f"tree{of_rank} names arrays the manifest does not record: {sorted(unknown)[:3]}"
+    if has_pickle(part.tree) and not part.pickled:
+        return f"tree{of_rank} holds a pickled value the manifest does not declare (hostile or damaged)"
+    try:  # every node, decoded as a load decodes it (issue 10, item 8)
+        check_tree(part.tree, part.tensor_index())
+    except CkptStoreError as exc:
+        return f"rank {rank}: {exc.message}" if of_rank else exc.message
     return None
 
 
@@ -287,17 +295,20 @@ def verify_store(
     for m in targets:
         report.cuts_checked.append(m.cut)
         start = len(report.findings)
-        problem = tree_problem(m)
+        parts = _parts(storage, m, report)
+        problem = tree_problem(m) if not m.fragmented else next(
+            (p for r, part in parts if (p := part_tree_problem(part, r)) is not None), None)
         if problem is not None:
             add(Finding("error", FindingKind.TREE_INVALID, problem, m.cut, layout.manifest_path(m.cut)))
         # What the integrations that own keys of the cut's metadata say about it (issue 20: the store
         # layer knows none of them).
         for kind, message in metadata_notices(m.metadata):
             add(Finding("notice", kind, message, m.cut, layout.manifest_path(m.cut)))
-        for rec in m.files:
-            report.findings.extend(verify_file(storage, m, rec, progress))
-            report.files_checked += 1
-            report.bytes_hashed += rec.nbytes
+        for _, part in parts:
+            for rec in part.files:
+                report.findings.extend(verify_file(storage, part, rec, progress))
+                report.files_checked += 1
+                report.bytes_hashed += rec.nbytes
         if m.cut in cls.bad:
             add(Finding("notice", FindingKind.RECORDED_BAD, "cut was recorded bad by an earlier load", m.cut,
                         layout.bad_path(m.cut)))
@@ -315,6 +326,23 @@ def verify_store(
         for rel in cls.foreign:
             add(Finding("notice", FindingKind.FOREIGN, f"{rel} is not ckptstore's; left alone", path=rel))
     return report
+
+
+def _parts(storage: Storage, m: Manifest, report: VerifyReport) -> list[tuple[int, Manifest]]:
+    """(rank, part) whose files to check: the manifest itself for versions 1-4; for a commit record
+    (version 5) each rank's fragment, checked against its digest first (a fragment that is not the
+    commit record's is a finding, and its files are not checked against it)."""
+    if not m.fragmented:
+        return [(0, m)]
+    out = []
+    for rank in range(m.world_size):
+        try:
+            rec, _ = read_fragment(storage, storage.url, m, rank)
+        except (CkptStoreError, FileNotFoundError) as exc:
+            report.findings.append(_error_finding(storage, exc, m.cut, fragment_path(m.cut, rank)))
+            continue
+        out.append((rank, part_manifest(m, rec)))
+    return out
 
 
 def removed_meanwhile(storage: Storage, cls: Classification, cut: str, findings: list[Finding]) -> bool:

@@ -248,7 +248,7 @@ class MirrorLoad:
     def check(self, m: Manifest) -> DataError | None:
         if m.pickled:
             return None  # the restore's own load refuses it (HostileInput), as it always did
-        mine = reading.rank_manifest(m, None, self._mirror.url)
+        mine = reading.rank_manifest(m, None, self._mirror.url, self._mirror.storage)
         wb = self._write_back(m)
         try:
             state = reading.load_part(self._mirror, mine, map_location=self._map_location, verify=True, keys=None,

@@ -262,12 +262,16 @@ class CommitPipeline:
                              timings={k: round(v, 6) for k, v in timings.items()}, writer_mode=self.options.mode,
                              fallback=handle.fallback)
             handle.to_committing()
+            # Of several ranks: what the commit record lists of this rank's fragment, posted to rank 0
+            # with "written", so the commit reads no fragment (issue 22).
+            ref = getattr(target, "ref", None)
+            return ref.to_json() if ref is not None else None
 
-        def commit() -> CutInfo:
+        def commit(parts: list[Any]) -> CutInfo:
             nonlocal t_commit
             assert pending is not None
             t_commit = time.perf_counter()
-            return pending.finish(intent)
+            return pending.finish(intent, parts=parts if c.size > 1 else None)
 
         with c.busy():
             try:

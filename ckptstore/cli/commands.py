@@ -72,8 +72,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         cls = spi.classify(store)
         m = select_manifest(cls, _selector(args.cut), store.url)
         info = cls.info(m)
-        # --rank R: the files and tensors listed are rank R's only (the cut's totals stay in the doc)
-        part = m if args.rank is None else rank_manifest(m, args.rank, store.url)
+        if args.rank is None:
+            m = spi.whole_of(store, m)  # every rank's files: a cut of format 5 reads every fragment
+        # --rank R: the files and tensors listed are rank R's only (the cut's totals stay in the doc);
+        # of a cut of format 5 the commit record and rank R's fragment alone are read (issue 22)
+        part = m if args.rank is None else spi.part_of(store, m, args.rank)
         counts = rank_counts(m)
         doc: dict[str, Any] = {**info.to_json(), "latest": cls.latest is not None and cls.latest.cut == m.cut,
                                "writer": m.writer.model_dump(), "metadata": m.metadata,
@@ -83,8 +86,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         lines = [
             f"cut       {m.cut}", f"step      {m.step}", f"final     {'yes' if info.final else 'no'}",
             f"latest    {'yes' if doc['latest'] else 'no'}", f"tags      {', '.join(m.tags) or '-'}",
-            f"size      {human_bytes(info.nbytes)} in {len(m.files)} file(s), {len(m.tensors) - len(m.attached)} "
-            f"tensor(s)" + (f" and {len(m.attached)} attached file(s)" if m.attached else ""),
+            f"size      {human_bytes(info.nbytes)} in {m.file_count} file(s), {m.array_count - m.attached_count} "
+            f"tensor(s)" + (f" and {m.attached_count} attached file(s)" if m.attached_count else ""),
             f"ranks     {m.world_size}",
             *[f"{'rank ' + str(c['rank']):<9} {human_bytes(c['nbytes'])} in {c['files']} file(s), "
               f"{c['tensors']} tensor(s)" for c in counts if m.world_size > 1 and args.rank in (None, c["rank"])],
@@ -100,10 +103,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _show_extras(args: argparse.Namespace, m: Manifest, part: Manifest, lines: list[str]) -> None:
     """``show``'s attached-files and metadata lines, and the ``--files`` table."""
-    if m.attached:
+    if m.attached_count:
         whose = "" if args.rank is None else f" (rank {args.rank}: {len(part.attached)})"
-        lines.append(f"attached  {len(m.attached)} file(s), {human_bytes(sum(a.nbytes for a in m.attached))}"
-                     f"{whose}: restore with `ckptstore restore-files`")
+        # A commit record (format 5) counts every rank's attached files; their sizes are in the fragments.
+        size = "" if m.fragmented else f", {human_bytes(sum(a.nbytes for a in m.attached))}"
+        lines.append(f"attached  {m.attached_count} file(s){size}{whose}: restore with `ckptstore restore-files`")
     if m.metadata:
         lines.append(f"metadata  {json.dumps(m.metadata)}")
     if args.files and part.attached:
@@ -113,7 +117,7 @@ def _show_extras(args: argparse.Namespace, m: Manifest, part: Manifest, lines: l
 
 def _show_tensors(m: Manifest, part: Manifest, doc: dict[str, Any], lines: list[str]) -> None:
     """``show --tensors``: the tensors of ``part`` by rank and name, in ``doc`` and as a table."""
-    ranks = file_ranks(m)
+    ranks = file_ranks(part)
     tensors = sorted(part.tensors, key=lambda t: (ranks[t.file], t.name))
     doc["tensors"] = [{"rank": ranks[t.file], "name": t.name, "kind": t.kind, "dtype": t.dtype,
                        "dtype_name": dtype_label(t.kind, t.dtype), "shape": t.shape, "nbytes": t.nbytes,
@@ -183,7 +187,12 @@ def _finding_rank(by_id: dict[str, Manifest], cut: str | None, path: str | None)
     m = by_id.get(cut) if cut is not None else None
     if m is None or not path:
         return None
-    return file_ranks(m).get(path.rsplit("/", 1)[-1])
+    name = path.rsplit("/", 1)[-1]
+    if m.world_size > 1:  # a shard's or a fragment's name carries its rank
+        if layout.is_rank_record_name(name):
+            return int(name[4:9])
+        return layout.shard_rank(name)
+    return file_ranks(m).get(name)
 
 
 def _policy(args: argparse.Namespace) -> Policy:

@@ -82,7 +82,9 @@ def file_ranks(m: Manifest) -> dict[str, int]:
 
 
 def rank_counts(m: Manifest) -> list[dict[str, int]]:
-    """Per rank: its files, tensors and stored bytes."""
+    """Per rank: its files, tensors and stored bytes (of a commit record, format 5, from its table)."""
+    if m.fragmented:
+        return [{"rank": r, "files": p.files, "tensors": p.arrays, "nbytes": p.data_nbytes} for r, p in enumerate(m.parts)]
     counts = [{"rank": r, "files": 0, "tensors": 0, "nbytes": 0} for r in range(m.world_size)]
     ranks = file_ranks(m)
     for f in m.files:

@@ -9,7 +9,7 @@ import re
 from ckptstore.format import SHARD_FORMAT_VERSION
 from ckptstore.labels import Label
 from ckptstore.latest import Pointer, StoreIdentity
-from ckptstore.manifest import RANKS_FORMAT_VERSION, Manifest, RankRecord
+from ckptstore.manifest import FRAGMENTS_FORMAT_VERSION, Manifest, RankRecord
 from ckptstore.marks import BadCut, FinalMark, Mark
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "format.md")
@@ -31,7 +31,7 @@ def test_every_record_kind_and_version_is_in_the_doc_as_the_code_has_it() -> Non
     assert set(rows) == {m.KIND for m in MODELS}
     for model in MODELS:
         written, read = rows[model.KIND]
-        expected = [model.FORMAT_VERSION] + ([RANKS_FORMAT_VERSION] if model is Manifest else [])
+        expected = [model.FORMAT_VERSION] + ([FRAGMENTS_FORMAT_VERSION] if model is Manifest else [])
         assert written == expected, model.KIND
         assert read == list(model.READ_VERSIONS), model.KIND
 

@@ -330,3 +330,87 @@ def test_write_shards_plans_names_and_records(tmp_path: Path) -> None:
         assert t.blake3 == blake3(arrays[int(t.name[1:])].tobytes()).hexdigest()
     zfiles, _ = write_shards(storage, "c", 0, items, codec=Codec("zstd"), max_shard_bytes=1 << 20)
     assert [f.name for f in zfiles] == ["rank00000-00000.safetensors.zst"]
+
+
+# --------------------------------------------------------------------------------------------------
+# v5: a cut of several ranks (a commit record and one fragment per rank, issue 22)
+
+CUT9, STEP9, WORLD9 = make_golden.RANKS_CUT[:3]
+
+
+def test_v5_golden_verifies_and_loads_each_rank(tmp_path: Path) -> None:
+    url = _copy(5, tmp_path)
+    states = make_golden.golden_rank_states()
+    shards = sorted(p.name for p in (Path(url) / "cuts" / CUT9).iterdir() if ".safetensors" in p.name)
+    assert shards == ["rank00000-00000.safetensors", "rank00000-00001.safetensors", "rank00001-00000.safetensors"]
+    with Store.open(url, readonly=True) as ro:
+        report = ro.verify()
+        assert report.ok and report.findings == [], report.findings
+        assert report.cuts_checked == [CUT9] and report.files_checked == len(shards)
+        assert ro.latest().id == CUT9  # type: ignore[union-attr]
+        m = ro.manifest()
+        assert (m.cut, m.step, m.world_size) == (CUT9, STEP9, WORLD9)
+        assert sorted(f.name for f in m.files) == shards
+        assert sorted({f.rank for f in m.files}) == [0, 1]
+        assert [sum(t.file.startswith(f"rank{r:05d}-") for t in m.tensors) for r in range(WORLD9)] == [5, 6]
+        assert ro.manifest(CUT9).files == m.files
+        for r in range(WORLD9):
+            assert_same(ro.load(rank=r), states[r], f"rank {r}")
+            assert_same(ro.load(CUT9, rank=r, keys=["model", "np"]),
+                        {"model": states[r]["model"], "np": states[r]["np"]}, f"rank {r} keys")
+        with pytest.raises(ckptstore.UsageError, match="world size 2"):
+            ro.load()
+        with pytest.raises(ckptstore.UsageError):
+            ro.load(CUT9)
+    for r in range(WORLD9):
+        assert_same(ckptstore.load(url, rank=r), states[r], f"rank {r}")
+        assert_same(ckptstore.load(url, cut=STEP9, rank=r, verify=False), states[r], f"rank {r}")
+    with pytest.raises(ckptstore.UsageError):
+        ckptstore.load(url)
+
+
+def test_v5_golden_bytes_do_not_drift(tmp_path: Path) -> None:
+    """The same ranks' states with the same identity give byte-identical shards, fragments, commit
+    record and LATEST to the checked-in v5 store (the version a cut of several ranks is written in
+    today). Uncompressed shards only: no zstd release can change these bytes."""
+    fresh = tmp_path / "fresh"
+    assert make_golden.build_ranks_store(str(fresh)) == 5
+    golden = GOLDEN / "v5"
+    files = sorted(p.relative_to(golden) for p in golden.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file())
+    names = {rel.name for rel in files}
+    assert {"MANIFEST.json", "rank00000.json", "rank00001.json", "LATEST", "STORE.json"} <= names
+    for rel in files:
+        assert (golden / rel).read_bytes() == (fresh / rel).read_bytes(), f"{rel} drifted from the checked-in v5 golden"
+
+
+def test_the_v5_commit_record_references_its_fragments() -> None:
+    """The commit record holds the cut's fields and the parts table only, O(ranks) bytes: each entry is
+    its fragment's size, blake3 and counts; each fragment is RankRecord format 2 of its rank. Both parse
+    back to the same bytes, and each fragment's tree is the one a save of its state writes."""
+    from ckptstore.manifest import Manifest, RankRecord
+    from ckptstore.saving import prepare_state
+
+    cut = GOLDEN / "v5" / "cuts" / CUT9
+    data = (cut / "MANIFEST.json").read_bytes()
+    assert len(data) < 1024, len(data)  # two ranks; well under 2 KB
+    doc = json.loads(data)
+    assert doc["format_version"] == 5 and doc["world_size"] == WORLD9
+    assert not {"files", "tensors", "tree", "attached"} & doc.keys()
+    m = Manifest.from_bytes(data)
+    assert m.fragmented and m.to_bytes() == data
+    latest = json.loads((GOLDEN / "v5" / "LATEST").read_bytes())
+    assert (latest["cut"], latest["step"], latest["manifest_blake3"]) == (CUT9, STEP9, hashing.digest(data))
+    states = make_golden.golden_rank_states()
+    for r, ref in enumerate(m.parts):
+        frag = (cut / f"rank{r:05d}.json").read_bytes()
+        assert (ref.name, ref.nbytes, ref.blake3) == (f"rank{r:05d}.json", len(frag), hashing.digest(frag))
+        rec = RankRecord.from_bytes(frag)
+        assert (rec.format_version, rec.cut, rec.step, rec.rank, rec.world_size) == (2, CUT9, STEP9, r, WORLD9)
+        assert rec.to_bytes() == frag and rec.part_ref(frag) == ref
+        assert json.loads(frag)["tensors"].keys() >= {"name", "dtype", "shape", "file", "offset", "blake3"}
+        shard_bytes = sum((cut / f.name).stat().st_size for f in rec.files)
+        assert (ref.data_nbytes, ref.files, ref.arrays, ref.attached, ref.pickled) == \
+            (shard_bytes, len(rec.files), len(rec.tensors), 0, False)
+        tree, _, pickled, _ = prepare_state(states[r], None, False, "golden")
+        assert rec.tree == tree and not pickled
