@@ -12,6 +12,7 @@ never reads them), then rank 0 commits:
   merged manifest of every rank's files, arrays and trees, as ``PendingCut`` did until then. Skipped
   where its manifest would pass ``--v3-max-arrays`` arrays (it is held in rank 0's memory whole).
 
+The measured commit is the handle's second (a job's steady state: the first one read LATEST's version).
 Commit latency is from the parts being durable (rank 0 has every post) to LATEST moved and the mark gone;
 rank 0's peak extra memory is ``tracemalloc``'s peak over that commit (Python allocations; run apart
 from the timing). Then ``load(rank=N-1)`` on the cut against loading a one-rank cut of the same part.
@@ -45,7 +46,65 @@ def part_state(k: int) -> dict[str, Any]:
     return {"w": [torch.full((2,), float(i)) for i in range(k)]}
 
 
-def build_cut(root: str, n: int, k: int) -> dict[str, Any]:
+class Backend:
+    """Where the cuts go: the local disk under ``scratch``, or moto's S3 server on 127.0.0.1 (``--s3``)."""
+
+    def __init__(self, name: str, scratch: str) -> None:
+        self.name, self.scratch = name, scratch
+        self.server: Any = None
+        self.options: Any = None
+        if name == "s3":
+            import logging
+
+            import boto3
+            from moto.server import ThreadedMotoServer
+
+            import ckptstore
+
+            logging.getLogger("werkzeug").setLevel(logging.ERROR)
+            self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+            self.server.start()
+            host, port = self.server.get_host_and_port()
+            endpoint = f"http://{host}:{port}"
+            boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                         region_name="us-east-1").create_bucket(Bucket="ckpt")
+            self.storage_options = {"key": "test", "secret": "test",
+                                    "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+            self.options = ckptstore.StoreOptions(storage_options=self.storage_options)
+
+    def url(self, name: str) -> str:
+        return f"s3://ckpt/{name}" if self.name == "s3" else os.path.join(self.scratch, name)
+
+    def remove(self, url: str) -> None:
+        if self.name == "s3":
+            import fsspec
+
+            fs = fsspec.filesystem("s3", **self.storage_options)
+            if fs.exists(url):
+                fs.rm(url, recursive=True)
+        else:
+            shutil.rmtree(url, ignore_errors=True)
+
+    def put_floor(self, nbytes: int, repeats: int = 7) -> float | None:
+        """Median seconds of one PUT of ``nbytes`` (S3) with a fresh key each: the target's unit."""
+        if self.name != "s3":
+            return None
+        import fsspec
+
+        fs = fsspec.filesystem("s3", **self.storage_options)
+        blob, times = os.urandom(nbytes), []
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            fs.pipe_file(f"ckpt/floor/put-{nbytes}-{i}", blob)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def build_cut(root: str, n: int, k: int, options: Any = None) -> dict[str, Any]:
     """A store at ``root`` with one marked cut of ``n`` ranks whose fragments are durable; returns the
     writer store, its pending cut, the intent and every rank's posted reference."""
     import ckptstore
@@ -55,8 +114,10 @@ def build_cut(root: str, n: int, k: int) -> dict[str, Any]:
     from ckptstore.saving import prepare_state
     from ckptstore.store import core_of
 
-    store = ckptstore.Store.open(root, create=True)
+    store = ckptstore.Store.open(root, create=True, options=options)
     core = core_of(store)
+    # A job commits cut after cut: the measured commit is this handle's second (its first read LATEST).
+    store.save(part_state(1), step=1)
     step = 5
     pending = cutting.begin_cut(core, step, writer="bench", cut=None, world_size=n)
     tree, items, pickled, attached = prepare_state(part_state(k), None, False, core.url)
@@ -105,10 +166,10 @@ def _record_of(pending: Any, rank: int) -> _Part:
     return _Part(files, tensors, pending._trees[rank][0], pending._attached.get(rank, []))
 
 
-def one_point(scratch: str, n: int, k: int, fmt: int, memory: bool) -> dict[str, Any]:
-    root = os.path.join(scratch, f"commit-{n}-{k}-v{fmt}-{'mem' if memory else 'time'}")
-    shutil.rmtree(root, ignore_errors=True)
-    c = build_cut(root, n, k)
+def one_point(backend: Backend, n: int, k: int, fmt: int, memory: bool) -> dict[str, Any]:
+    root = backend.url(f"commit-{n}-{k}-v{fmt}-{'mem' if memory else 'time'}")
+    backend.remove(root)
+    c = build_cut(root, n, k, backend.options)
     gc.collect()
     try:
         if memory:
@@ -121,62 +182,84 @@ def one_point(scratch: str, n: int, k: int, fmt: int, memory: bool) -> dict[str,
             t0 = time.perf_counter()
             (commit_v5 if fmt == 5 else commit_v3)(c)
             out = {"seconds": time.perf_counter() - t0}
-        out["record_bytes"] = os.path.getsize(os.path.join(root, "cuts", c["cut"], "MANIFEST.json"))
+        out["record_bytes"] = c["store"].storage.size(f"cuts/{c['cut']}/MANIFEST.json")
         out["fragment_bytes"] = c["fragment_bytes"]
         if not memory and fmt == 5:
-            out["load"] = load_times(c, root, n, k, scratch)
+            out["load"] = load_times(backend, root, n, k)
+            out["put"] = backend.put_floor(out["record_bytes"])
     finally:
         c["store"].close()
-    shutil.rmtree(root, ignore_errors=True)
+    backend.remove(root)
     return out
 
 
-def load_times(c: dict[str, Any], root: str, n: int, k: int, scratch: str, repeats: int = 7) -> dict[str, float]:
+def load_times(backend: Backend, root: str, n: int, k: int, repeats: int = 7) -> dict[str, float]:
     """Median seconds of ``load(rank=n-1)`` on the cut and of ``load()`` of a one-rank cut of that part."""
     import ckptstore
 
-    one = os.path.join(scratch, f"one-{n}-{k}")
-    shutil.rmtree(one, ignore_errors=True)
-    with ckptstore.Store.open(one, create=True) as s:
+    one = backend.url(f"one-{n}-{k}")
+    backend.remove(one)
+    with ckptstore.Store.open(one, create=True, options=backend.options) as s:
         s.save(part_state(k), step=5)
     times: dict[str, list[float]] = {"ranks": [], "one": []}
-    with ckptstore.Store.open(root, readonly=True) as big, ckptstore.Store.open(one, readonly=True) as small:
+    with ckptstore.Store.open(root, readonly=True, options=backend.options) as big, \
+            ckptstore.Store.open(one, readonly=True, options=backend.options) as small:
         for i in range(repeats):
             for name, fn in (("ranks", lambda: big.load(rank=n - 1)), ("one", lambda: small.load())):
                 t0 = time.perf_counter()
                 fn()
                 if i:  # the first of each warms the page cache and imports
                     times[name].append(time.perf_counter() - t0)
-    shutil.rmtree(one, ignore_errors=True)
+    backend.remove(one)
     return {name: statistics.median(v) for name, v in times.items()}
 
 
 def report(points: list[dict[str, Any]], cmd: str, started: str, loads: tuple[str, str]) -> str:
-    rows = ["| ranks | tensors a rank | format | commit latency, s | rank 0 peak extra memory, MB | commit record, bytes "
-            "(a rank) | fragment, bytes | load(rank=N-1) / one-rank load |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| store | ranks | tensors a rank | format | commit latency, s | on S3: / one PUT of the record | rank 0 peak "
+            "extra memory, MB | commit record, bytes (a rank) | fragment, bytes | load(rank=N-1) / one-rank load |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         if "skipped" in p:
-            rows.append(f"| {p['n']:,} | {p['k']:,} | {p['fmt']} | not run | — | — | — | {p['skipped']} |")
+            rows.append(f"| {p['store']} | {p['n']:,} | {p['k']:,} | {p['fmt']} | not run | — | — | — | — | {p['skipped']} |")
             continue
+        put = f"{p['seconds'] / p['put']:.1f}x (PUT {p['put'] * 1e3:.1f} ms)" if p.get("put") else "—"
         load = p.get("load")
         ratio = f"{load['ranks'] / load['one']:.2f}x ({load['ranks'] * 1e3:.1f} / {load['one'] * 1e3:.1f} ms)" \
             if load else "—"
-        rows.append(f"| {p['n']:,} | {p['k']:,} | {p['fmt']} | {p['seconds']:.4f} | {p['peak'] / 1e6:.2f} | "
+        rows.append(f"| {p['store']} | {p['n']:,} | {p['k']:,} | {p['fmt']} | {p['seconds']:.4f} | {put} | {p['peak'] / 1e6:.2f} | "
                     f"{p['record_bytes']:,} ({p['record_bytes'] / p['n']:.0f}) | {p['fragment_bytes']:,} | {ratio} |")
     return "\n".join([
         "## The commit against world size and tensors (issue 22): `benchmarks/bench_commit_scale.py`", "",
         f"Generated by `{cmd}` (do not edit by hand; rerun it), started {started}. One cut of N ranks on the "
-        "local disk; every rank's fragment durable first, then rank 0 commits through the real code "
+        "local disk (and, with `--s3`, moto's S3 server on 127.0.0.1); every rank's fragment durable first, then rank 0 commits through the real code "
         "(format 5: `PendingCut.finish(parts=...)`, no fragment read; format 3: every record read, merged "
         "into one manifest, as before issue 22). Latency: parts durable -> LATEST moved, mark removed. "
         "Memory: tracemalloc's peak over the commit, in a run of its own.", "",
         *rows, "",
         "Targets (issue 22): at 4,096 ranks x 2,000 tensors a commit of at most 1 s on the local store, rank 0's "
-        "peak extra memory at most 100 MB, at most 256 bytes a rank in the commit record, `load(rank=r)` within "
+        "peak extra memory at most 100 MB, on the S3 server at most 5x one PUT of the commit record, at most 256 bytes a rank in the commit record, `load(rank=r)` within "
         "1.2x of a one-rank cut's load.", "",
         f"* Load (`uptime`) before: {loads[0]}; after: {loads[1]}.",
     ]) + "\n"
+
+
+def run_point(backend: Backend, n: int, k: int, formats: tuple[int, ...], args: argparse.Namespace) -> list[dict[str, Any]]:
+    out = []
+    if n == 1:  # a cut of one rank is format 4, committed as before: nothing to compare
+        return [{"store": backend.name, "n": n, "k": k, "fmt": 4, "skipped": "one rank: format 4, unchanged"}]
+    for fmt in formats:
+        point: dict[str, Any] = {"store": backend.name, "n": n, "k": k, "fmt": fmt}
+        if fmt == 3 and n * k > args.v3_max_arrays:
+            point["skipped"] = (f"{n * k:,} arrays in one manifest held by rank 0 (~{n * k * 300 / 1e9:.1f} GB "
+                                "of JSON): past --v3-max-arrays")
+            out.append(point)
+            continue
+        print(f"[{time.strftime('%H:%M:%S')}] {backend.name} N={n} K={k} format {fmt} ...", flush=True)
+        point.update(one_point(backend, n, k, fmt, memory=False))
+        point["peak"] = one_point(backend, n, k, fmt, memory=True)["peak"]
+        print(f"    {point}", flush=True)
+        out.append(point)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,30 +270,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip format 3 where its manifest would list more arrays (default 1.1M)")
     ap.add_argument("--out", help="replace the bench_commit_scale region of this markdown file")
     ap.add_argument("--scratch", default=os.path.join(REPO, "bench-out"))
+    ap.add_argument("--s3", action="store_true", help="also on moto's S3 server (format 5 only)")
+    ap.add_argument("--s3-ranks", default="8,64,512", help="world sizes on the S3 server (default 8,64,512)")
     args = ap.parse_args(argv)
     os.makedirs(args.scratch, exist_ok=True)
     cmd, started, before = command_line("bench_commit_scale.py", argv), started_at(), uptime()
-    points = []
-    for k in (int(x) for x in args.tensors.split(",") if x):
-        for n in (int(x) for x in args.ranks.split(",") if x):
-            for fmt in (5, 3):
-                if n == 1:  # a cut of one rank is format 4, committed as before: nothing to compare
-                    if fmt == 3:
-                        continue
-                    point: dict[str, Any] = {"n": n, "k": k, "fmt": 4, "skipped": "one rank: format 4, unchanged"}
-                    points.append(point)
-                    continue
-                point = {"n": n, "k": k, "fmt": fmt}
-                if fmt == 3 and n * k > args.v3_max_arrays:
-                    point["skipped"] = (f"{n * k:,} arrays in one manifest held by rank 0 (~{n * k * 300 / 1e9:.1f} GB "
-                                        "of JSON): past --v3-max-arrays")
-                    points.append(point)
-                    continue
-                print(f"[{time.strftime('%H:%M:%S')}] N={n} K={k} format {fmt} ...", flush=True)
-                point.update(one_point(args.scratch, n, k, fmt, memory=False))
-                point["peak"] = one_point(args.scratch, n, k, fmt, memory=True)["peak"]
-                print(f"    {point}", flush=True)
-                points.append(point)
+    points: list[dict[str, Any]] = []
+    backends = [("local", args.ranks, (5, 3))] + ([("s3", args.s3_ranks, (5,))] if args.s3 else [])
+    for name, ranks, formats in backends:
+        backend = Backend(name, args.scratch)
+        try:
+            for k in (int(x) for x in args.tensors.split(",") if x):
+                for n in (int(x) for x in ranks.split(",") if x):
+                    points.extend(run_point(backend, n, k, formats, args))
+        finally:
+            backend.close()
     body = report(points, cmd, started, (before, uptime()))
     print(body)
     if args.out:

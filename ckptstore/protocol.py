@@ -41,7 +41,10 @@ so a crash mid-prune leaves a directory without manifest or mark: "abandoned", w
 
 On object stores every step is one PUT or DELETE of one object and nothing is renamed; LATEST moves by
 compare-and-swap (``If-Match`` on the version this writer last saw or wrote), so a writer that lost its
-lease while stalled before its PUT cannot move LATEST under the holder that replaced it.
+lease while stalled before its PUT cannot move LATEST under the holder that replaced it. A writer that
+put LATEST itself, and whose cut's mark is gone since, knows what LATEST holds: its next step 5 is the
+conditional PUT alone (no GET of LATEST, no look for a mark Rule M would remove; issue 22). Anyone
+else's move of LATEST meanwhile changes its version, and the PUT fails as above.
 
 ``on_phase`` is the fault-injection seam: tests kill the process in it.
 """
@@ -118,6 +121,12 @@ class CommitProtocol:
         #: (blake3 of its bytes, cut, step) of the last manifest this writer published: the next save's
         #: step check takes it as LATEST's when the bytes there hash the same (``pointed_step``).
         self.last_written: tuple[str, str, int] | None = None
+        #: Object stores: the pointer this writer last put in LATEST (at version ``_latest_tag``) and
+        #: whether that cut's mark is gone since (step 6 landed): then the next commit knows what LATEST
+        #: holds without reading it, and that Rule M has no mark to remove (issue 22: two requests
+        #: fewer a commit; a LATEST moved by anyone else fails the conditional PUT as before).
+        self._pointed: Pointer | None = None
+        self._pointed_unmarked = False
 
     @property
     def url(self) -> str:
@@ -218,10 +227,12 @@ class CommitProtocol:
         now loses its mark before LATEST leaves it. Raises ``CommitUnknown`` when the replace failed
         after it may have landed (then the caller must not remove the cut)."""
         self._guard()
-        previous = self._read_pointer()
-        if previous is not None and previous.cut != cut and self._storage.exists(layout.mark_path(previous.cut)):
-            self._storage.delete(layout.mark_path(previous.cut), durable=True)
+        if not self._knows_latest():
+            previous = self._read_pointer()
+            if previous is not None and previous.cut != cut and self._storage.exists(layout.mark_path(previous.cut)):
+                self._storage.delete(layout.mark_path(previous.cut), durable=True)
         pointer = Pointer(cut=cut, step=step, manifest_blake3=manifest_blake3)
+        self._pointed, self._pointed_unmarked = None, False  # until the replace is known to have landed
         self._guard()  # an object-store writer that lost its lease never commits
         try:
             self._replace_latest(pointer.to_bytes())
@@ -236,8 +247,16 @@ class CommitProtocol:
             raise CommitUnknown(f"replacing LATEST failed and may have landed: {exc.message}", errno=exc.errno,
                                 store=self.url, cut=cut, path=layout.LATEST_FILE,
                                 hint="the cut keeps its mark; the next open keeps it if LATEST names it") from exc
+        if self._storage.capabilities.conditional_writes:
+            self._pointed = pointer
         self.phase(SavePhase.LATEST_WRITTEN, cut)
         return pointer
+
+    def _knows_latest(self) -> bool:
+        """Whether LATEST is, unless another writer moved it (then the conditional PUT fails), the
+        pointer this writer put there, whose cut has no mark left: Rule M has nothing to do."""
+        return (self._storage.capabilities.conditional_writes and self._latest_tag not in (None, "")
+                and self._pointed is not None and self._pointed_unmarked)
 
     def _read_pointer(self) -> Pointer | None:
         """LATEST as it is now (None when absent or unparseable: then there is no cut to unmark)."""
@@ -307,6 +326,8 @@ class CommitProtocol:
     def unmark(self, cut: str) -> None:
         """Step 6 (and recovery of a stale mark): the mark of a cut LATEST names goes, durably."""
         self._storage.delete(layout.mark_path(cut), durable=True)
+        if self._pointed is not None and self._pointed.cut == cut:
+            self._pointed_unmarked = True
         self.phase(SavePhase.MARK_REMOVED, cut)
 
     def abandon(self, cut: str) -> None:
@@ -381,6 +402,7 @@ class CommitProtocol:
     def remove_latest(self) -> None:
         """An empty store's LATEST (repair when no cut is committed)."""
         self._guard()
+        self._pointed, self._pointed_unmarked, self._latest_tag = None, False, None
         self._storage.delete(layout.LATEST_FILE, durable=True)
 
     def mark_final(self, mark: FinalMark) -> None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import assemble, cutting, layout, opening, repairing
+from . import assemble, cutting, layout, opening, reading, repairing
 from .arrays import ArrayItem, describe, empty_for, torch_dtype_name
 from .attached import AttachedFile, FilesArg, Source, close_sources, open_sources
 from .collective import Collective
@@ -98,10 +98,16 @@ def shard_codec(store: Store) -> Codec:
     return cutting.shard_codec(core_of(store))
 
 
+def commit_record(store: Store, cut: Any = "latest") -> Manifest:
+    """The manifest of a committed cut as it is stored: of a cut of format 5 its commit record alone
+    (no fragment read; ``part_of`` reads one rank's part, ``whole_of`` all), else the whole manifest."""
+    return reading.manifest(core_of(store), cut)
+
+
 def part_of(store: Store, m: Manifest, rank: int) -> Manifest:
     """Rank ``rank``'s part of committed cut ``m`` (one fragment read for a cut of format 5)."""
     core = core_of(store)
-    return rank_manifest(m, rank, core.url, core.storage)
+    return rank_manifest(m, rank, core.url, core.storage, core.parts)
 
 
 def whole_of(store: Store, m: Manifest) -> Manifest:
@@ -135,7 +141,7 @@ def open_participant(url: Any, options: StoreOptions | None = None) -> Store:
 
 __all__ = [
     # the store's plumbing, as functions of an open Store
-    "classify", "lock_handoff", "open_participant", "point_latest", "rank_part", "record_bad", "shard_codec",
+    "classify", "commit_record", "part_of", "whole_of", "lock_handoff", "open_participant", "point_latest", "rank_part", "record_bad", "shard_codec",
     "shard_spec",
     # a cut's records
     "CutIntent", "PendingCut", "RankPart", "ShardSpec", "CutInfo", "FileRecord", "Manifest", "TensorRecord", "TensorColumns",

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptstore import CorruptCut, Store, StoreOptions, UsageError
-from ckptstore.spi import empty_for
+from ckptstore.spi import commit_record, empty_for, part_of, whole_of
 from ckptstore.spi import FileRecord, Manifest, TensorRecord
 from ckptstore.spi import check_header_matches, read_header, read_shard_into, read_tensor_range
 
@@ -44,6 +44,8 @@ class StoreReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self._store: Store | None = None
         self._manifest: Manifest | None = None
+        self._record: Manifest | None = None
+        self._parts: dict[int, Manifest] = {}
         self._locations: dict[MetadataIndex, ArrayLocation] = {}
         self._agreed: str | None = None
 
@@ -52,7 +54,7 @@ class StoreReader(StorageReader):
         if checkpoint_id:
             self.url = os.fspath(checkpoint_id)
         self.load_id = uuid.uuid4().hex
-        self._manifest, self._locations, self._agreed = None, {}, None
+        self._manifest, self._record, self._parts, self._locations, self._agreed = None, None, {}, {}, None
 
     def close(self) -> None:
         if self._store is not None:
@@ -69,20 +71,34 @@ class StoreReader(StorageReader):
         return self._store
 
     def manifest(self) -> Manifest:
-        """The manifest of the cut being read (chosen once per reader and reset)."""
+        """The manifest of the cut being read, whole (chosen once per reader and reset): of a cut of
+        several ranks committed as format 5, every rank's fragment read."""
         if self._manifest is None:
-            self._manifest = self._open().manifest(self.cut)
+            self._manifest = whole_of(self._open(), self.record())
         return self._manifest
+
+    def record(self) -> Manifest:
+        """The cut's manifest as stored (chosen once per reader and reset): of a cut of format 5 its
+        commit record alone; a load reads the fragments of the ranks its plan touches (issue 22)."""
+        if self._record is None:
+            self._record = commit_record(self._open(), self.cut)
+        return self._record
+
+    def _part(self, rank: int) -> Manifest:
+        """Rank ``rank``'s part of the cut (one fragment read, once, for a cut of format 5)."""
+        if rank not in self._parts:
+            self._parts[rank] = part_of(self._open(), self.record(), rank)
+        return self._parts[rank]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise UsageError("ckptstore cuts have one global DCP metadata, no per-rank metadata", store=self.url)
-        m = self.manifest()
+        m = self.record()
         if METADATA_KEY in m.metadata:
             md = metadata_from_json(m.metadata[METADATA_KEY], where={"store": self.url, "cut": m.cut})
         else:
-            # A cut of Store.save or the Checkpointer: DCP metadata synthesized from its trees.
-            md = native_metadata(m, where={"store": self.url, "cut": m.cut})
+            # A cut of Store.save or the Checkpointer: DCP metadata synthesized from every rank's tree.
+            md = native_metadata(self.manifest(), where={"store": self.url, "cut": m.cut})
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -99,11 +115,11 @@ class StoreReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Coordinator: every rank reads the cut the coordinator planned with (a cut committed between
         two ranks' ``read_metadata`` under ``cut="latest"`` is caught, never mixed in)."""
-        cut = self.manifest().cut
+        cut = self.record().cut
         return [dataclasses.replace(p, storage_data=cut) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        m = self.manifest()
+        m = self.record()
         if isinstance(plan.storage_data, str) and plan.storage_data != m.cut:
             raise UsageError(f"this rank planned with cut {m.cut} but the coordinator with {plan.storage_data} "
                              "(LATEST moved during the load); pass the cut id", store=self.url, cut=m.cut)
@@ -142,10 +158,10 @@ class StoreReader(StorageReader):
                 self._load_value(loc, req, planner, where)
                 continue
             if loc.rank not in parts:
-                try:
-                    parts[loc.rank] = m.for_rank(loc.rank)
-                except ValueError as exc:
-                    raise CorruptCut(f"DCP metadata names rank {loc.rank}: {exc}", **where) from None
+                if isinstance(loc.rank, bool) or not (isinstance(loc.rank, int) and 0 <= loc.rank < m.world_size):
+                    raise CorruptCut(f"DCP metadata names rank {loc.rank}: rank {loc.rank!r} is outside the "
+                                     f"cut's world size {m.world_size}", **where)
+                parts[loc.rank] = self._part(loc.rank)
             key = (loc.rank, loc.array)
             if key not in records:
                 rec = next((t for t in parts[loc.rank].tensors if t.name == loc.array), None)

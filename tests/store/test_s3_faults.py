@@ -13,6 +13,7 @@ from s3proxy import Rule
 
 import ckptstore
 from ckptstore import StoreOptions, layout, spi
+from ckptstore.latest import Pointer
 from ckptstore.protocol import CommitUnknown
 
 _ARRAYS = 4
@@ -213,3 +214,46 @@ def test_a_faulted_manifest_or_mark_put_is_retried_and_commits_one_manifest(s3_u
 
         assert cls.latest.manifest_blake3 == hashing.digest(body)
     _check(url, opts, [1])
+
+
+def test_a_commit_after_this_handles_own_reads_latest_no_more_and_a_moved_latest_still_fails_it(s3_url, s3_proxy):
+    """Issue 22: a handle that put LATEST itself, and whose cut's mark went since, knows what LATEST holds;
+    its next commit is the manifest's PUT, LATEST's conditional PUT and the mark's DELETE, with no GET or
+    HEAD of LATEST and no look for the previous cut's mark. Another writer's move of LATEST (a stalled
+    former lease holder's view) still fails the conditional PUT: nothing is committed over it."""
+    url, opts = s3_url
+    marks: dict[str, int] = {}
+
+    def on_phase(name, cut) -> None:  # where step 5 of each commit begins and ends, in the proxy's log
+        if name in ("manifest-written", "latest-written"):
+            s3_proxy.settle()
+            marks[name] = len(s3_proxy.log)
+
+    with ckptstore.Store.open(url, create=True, options=_options(s3_proxy.options(opts), on_phase=on_phase)) as store:
+        store.save(_state(1), step=1)
+        first_commit = s3_proxy.log[marks["manifest-written"]:marks["latest-written"]]
+        assert [s.method for s in first_commit if s.key.endswith("/LATEST")].count("PUT") == 1
+        store.save(_state(2), step=2)
+        step5 = [(s.method, s.key.rsplit("/", 1)[-1]) for s in s3_proxy.log[marks["manifest-written"]:marks["latest-written"]]]
+        assert step5 == [("PUT", "LATEST")], step5
+        first = store.cuts()[0].id
+        # Another writer's LATEST (straight to the server) under this handle's feet: back to cut 1.
+        import fsspec
+
+        fs = fsspec.filesystem("s3", **opts)
+        path = url.removeprefix("s3://") + "/LATEST"
+        mine = fs.cat_file(path)
+        fs.pipe_file(path, Pointer(cut=first, step=1, manifest_blake3=_manifest_digest(fs, url, first)).to_bytes())
+        with pytest.raises(ckptstore.errors.StoreLocked):
+            store.save(_state(3), step=3)
+        assert fs.cat_file(path) != mine  # nothing was committed over the other writer's LATEST
+        fs.pipe_file(path, mine)
+    with ckptstore.Store.open(url, readonly=True, options=StoreOptions(storage_options=opts)) as ro:
+        assert [c.step for c in ro.cuts()] == [1, 2] and ro.latest().step == 2
+        assert ro.load()["step"] == 2
+
+
+def _manifest_digest(fs, url: str, cut: str) -> str:
+    from ckptstore import hashing
+
+    return hashing.digest(fs.cat_file(url.removeprefix("s3://") + f"/{layout.manifest_path(cut)}"))
