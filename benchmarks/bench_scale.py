@@ -6,8 +6,8 @@ Every client connects first (on this VM class a connect takes 5 s about once in 
 ``--exchanges`` exchanges of a small message. An exchange's latency is the time from the last rank to
 enter it to the last rank to leave it (what a job pays at a collective call), on one clock
 (``CLOCK_MONOTONIC`` is the machine's). Also reported: the keys each rank reads per exchange (rank 0
-reads every rank's message, every other rank the answer alone). The commit-record part of issue 22
-(format v5) is not built yet; its rows come with it.
+reads every rank's message, every other rank the answer alone). The commit of a cut against world size
+(format 5) is ``bench_commit_scale.py``'s.
 
     .venv/bin/python benchmarks/bench_scale.py --ranks 1,8,64,512 --out docs/benchmarks-scale.md
 """
@@ -169,8 +169,8 @@ def report(points: list[dict[str, Any]], cmd: str, started: str, loads: tuple[st
         "`TCPStore` served by the parent; latency = last rank out - last rank in, per exchange after the "
         "first; the ranks' threads share this machine's cores, so large N measures the simulation too.", "",
         *rows, "",
-        "Target (issue 22): at most 0.5 s at 4,096 ranks, growing at most linearly. The commit-record rows "
-        "(format v5) come with it.", "",
+        "Target (issue 22): at most 0.5 s at 4,096 ranks, growing at most linearly. The commit's curve is "
+        "`bench_commit_scale.py`'s, below.", "",
         f"* Load (`uptime`) before: {loads[0]}; after: {loads[1]}.",
     ]) + "\n"
 

@@ -31,7 +31,7 @@ from .gcpause import pausing
 from .ident import host_identity
 from .info import CutInfo
 from .intent import CutIntent, ShardSpec
-from .fragments import PartRef
+from .fragments import BadPart, PartRef, checked, parts_from_json
 from .manifest import FRAGMENTS_FORMAT_VERSION, FileRecord, Manifest, RankRecord, TensorRecord, WriterIdentity
 from .protocol import CommitProtocol, CommitUnknown, now_iso
 from .shards import Codec
@@ -183,14 +183,12 @@ class PendingCut:
         if len(parts) != self.world_size:
             raise UsageError(f"cut {self.id} of {self.world_size} ranks got {len(parts)} part references",
                              store=self._protocol.url, cut=self.id)
-        refs = {}
-        for rank, value in enumerate(parts):
-            try:
-                refs[rank] = value if type(value) is PartRef else PartRef.from_json(value, rank)
-            except ValueError as exc:
-                raise CorruptCut(f"rank {rank}'s description of its part is not valid: {exc}; the cut is not "
-                                 "committed", store=self._protocol.url, cut=self.id,
-                                 path=layout.rank_record_path(self.id, rank)) from None
+        try:
+            refs = dict(enumerate(parts_from_json([p.to_json() if type(p) is PartRef else p for p in parts])))
+        except BadPart as exc:
+            raise CorruptCut(f"rank {exc.rank}'s description of its part is not valid: {exc}; the cut is not "
+                             "committed", store=self._protocol.url, cut=self.id,
+                             path=layout.rank_record_path(self.id, exc.rank)) from None
         self._refs = refs
 
     def discard_files(self) -> None:
@@ -295,7 +293,7 @@ class PendingCut:
             if len(self._refs) != self.world_size:
                 raise UsageError(f"cut {self.id} of {self.world_size} ranks commits its ranks' fragments "
                                  "(take_parts or collect_ranks first)", store=self._protocol.url, cut=self.id)
-            parts = [self._refs[r] for r in range(self.world_size)]
+            parts = checked([self._refs[r] for r in range(self.world_size)])
             ident = host_identity()
             return Manifest(
                 format_version=FRAGMENTS_FORMAT_VERSION, world_size=self.world_size, cut=self.id, step=self.step,

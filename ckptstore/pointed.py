@@ -13,7 +13,7 @@ from .errors import CutNotFound, DataError, LatestError, StorageError
 from .latest import Pointer
 from .manifest import Manifest
 from .paths import refuse_symlinked_cut
-from .recovery import MAX_RESCANS
+from .recovery import MAX_RESCANS, ManifestCache
 from .storage import Storage
 
 
@@ -21,12 +21,14 @@ from .storage import Storage
 Written = tuple[str, str, int]
 
 
-def pointed_manifest(storage: Storage, url: str) -> Manifest | None:
+def pointed_manifest(storage: Storage, url: str, cache: ManifestCache | None = None) -> Manifest | None:
     """LATEST's manifest, read without a listing: LATEST, then the manifest it names (the scan's order),
     whose bytes must hash to what LATEST records: the classification's own test of a healthy LATEST
     (a valid manifest that LATEST names is committed, whatever marks say), with its words when it
-    fails. None when there is no LATEST: only a listing tells an empty store from one that lost it."""
-    found = _pointed(storage, url, None)
+    fails. None when there is no LATEST: only a listing tells an empty store from one that lost it.
+    ``cache``: manifests parsed before, by (cut, blake3 of their bytes), as the scan keeps them; the
+    bytes are read and hashed every time, only their parse is saved."""
+    found = _pointed(storage, url, None, cache)
     assert not isinstance(found, tuple)
     return found
 
@@ -40,7 +42,8 @@ def pointed_step(storage: Storage, url: str, known: Written | None = None) -> tu
     return found if found is None or isinstance(found, tuple) else (found.cut, found.step)
 
 
-def _pointed(storage: Storage, url: str, known: Written | None) -> Manifest | tuple[str, int] | None:
+def _pointed(storage: Storage, url: str, known: Written | None,
+             cache: ManifestCache | None = None) -> Manifest | tuple[str, int] | None:
     where = {"store": url, "path": layout.LATEST_FILE}
     hint = f"run `ckptstore repair {url}`"
     for _ in range(MAX_RESCANS):
@@ -62,7 +65,11 @@ def _pointed(storage: Storage, url: str, known: Written | None) -> Manifest | tu
         if known is not None and known[0] == digest == pointer.manifest_blake3 and known[1] == pointer.cut:
             return known[1], known[2]
         try:
-            m = parse_manifest(url, pointer.cut, body)
+            m = cache.get((pointer.cut, digest)) if cache is not None else None
+            if m is None:
+                m = parse_manifest(url, pointer.cut, body)
+                if cache is not None and digest == pointer.manifest_blake3:
+                    cache[(pointer.cut, digest)] = m
         except DataError as exc:
             raise LatestError(f"LATEST names {pointer.cut}, whose manifest is damaged ({mpath}: {exc.message})",
                               hint=hint, **where) from exc

@@ -20,12 +20,13 @@ from .arrays import resolve_map_location
 from .assemble import PartCache, read_part, whole
 from .attached import Restorer
 from .core import StoreCore
-from .errors import CutNotFound, HostileInput, UsageError
+from .errors import CutNotFound, DataError, HostileInput, UsageError
 from .events import log
 from .gcpause import pausing
 from .info import CutInfo
 from .loader import FileTaps, load_manifest, restore_attached
 from .manifest import Manifest
+from .paths import refuse_symlinked_dirs
 from .repairing import record_bad_quietly
 from .storage import Storage
 from .selection import Check, CutSelector, Tier, choose_across, latest_manifest, select_manifest
@@ -106,6 +107,17 @@ def manifest(core: StoreCore, cut: CutSelector) -> Manifest:
     every other selector, from the classification."""
     if cut == "latest" and lists_nothing(core):
         m = pointed_manifest(core)
+        if m is not None:
+            return m
+    if cut == "latest" and core.readonly and core.ranks is None:
+        # A reader's LATEST from two objects as well (issue 22: the scan lists every cut directory, one
+        # of 4,096 ranks' fragments and shards for every load); anything it cannot tell (no LATEST, a
+        # damaged one) is the classification's to say, in its words.
+        refuse_symlinked_dirs(core.storage)  # as the scan refuses them first: nothing behind a symlink
+        try:
+            m = pointed.pointed_manifest(core.storage, core.url, core.manifests)
+        except DataError:
+            m = None
         if m is not None:
             return m
     return core.manifest(cut)
