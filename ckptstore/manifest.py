@@ -185,10 +185,7 @@ class Manifest(StrictModel):
         if data.get("format_version") == TABLE_FORMAT_VERSION:
             if type(tensors) is list and all(type(t) is TensorRecord for t in tensors):
                 return data  # built in this process
-            files = data.get("files")
-            names = [f.get("name") if type(f) is dict else getattr(f, "name", None) for f in files] \
-                if type(files) is list else []
-            return {**data, "tensors": table_to_records(tensors, names)}
+            return {**data, "tensors": table_to_records(tensors, _file_names(data.get("files")))}
         if type(tensors) is dict:
             raise ValueError(f"format_version {data.get('format_version')!r} lists tensors as rows, not a table")
         return data
@@ -365,10 +362,7 @@ class RankRecord(StrictModel):
         if data.get("format_version", 2) == 2:
             if type(tensors) is list and all(type(t) is TensorRecord for t in tensors):
                 return data  # built in this process
-            files = data.get("files")
-            names = [f.get("name") if type(f) is dict else getattr(f, "name", None) for f in files] \
-                if type(files) is list else []
-            return {**data, "tensors": table_to_records(tensors, names)}
+            return {**data, "tensors": table_to_records(tensors, _file_names(data.get("files")))}
         if type(tensors) is dict:
             raise ValueError("a rank record of format 1 lists tensors as rows, not a table")
         return data
@@ -417,6 +411,13 @@ class RankRecord(StrictModel):
             raise ValueError(f"an attached file of rank {self.rank}'s record names another rank")
         _check_attached(self.attached, self.files, self.tensors)
         return self
+
+
+def _file_names(files: Any) -> list[Any]:
+    """The names of a document's (or a model's) ``files``, which a table's ``file`` column indexes."""
+    if type(files) is not list:
+        return []
+    return [f.get("name") if type(f) is dict else getattr(f, "name", None) for f in files]
 
 
 def _doc_key_floor(doc: dict[str, Any]) -> int:
