@@ -29,13 +29,13 @@ def read_fragment(storage: Storage, url: str, m: Manifest, rank: int) -> tuple[R
     Raises ``MissingFile``, ``TruncatedFile``, ``HashMismatch``, ``ManifestError`` or ``CorruptCut``
     naming the store, the cut and the fragment."""
     ref = m.parts[rank]
-    data, where = fragment_bytes(storage, url, m, rank)
+    data, where = _fragment_bytes(storage, url, m, rank)
     rec = RankRecord.from_bytes(data, **where)
     check_fragment(rec, m, ref, rank, where)
     return rec, data
 
 
-def fragment_bytes(storage: Storage, url: str, m: Manifest, rank: int) -> tuple[bytes, dict[str, Any]]:
+def _fragment_bytes(storage: Storage, url: str, m: Manifest, rank: int) -> tuple[bytes, dict[str, Any]]:
     """Rank ``rank``'s fragment's bytes, checked against the commit record (size, then blake3), and
     what an error about it names."""
     rel = fragment_path(m.cut, rank)
@@ -100,7 +100,7 @@ def read_part(storage: Storage, url: str, m: Manifest, rank: int, cache: PartCac
     if cache is None:
         return part_manifest(m, read_fragment(storage, url, m, rank)[0])
     ref = m.parts[rank]
-    data, where = fragment_bytes(storage, url, m, rank)
+    data, where = _fragment_bytes(storage, url, m, rank)
     key = (m.cut, rank, ref.blake3)
     rec = cache.get(key)
     if rec is None:
@@ -132,5 +132,5 @@ def merged(m: Manifest, recs: list[Any]) -> Manifest:
         attached=[a for r in recs for a in r.attached])
 
 
-__all__ = ["PartCache", "check_fragment", "check_fragment_bytes", "fragment_bytes", "fragment_path", "merged", "part_manifest", "read_fragment",
+__all__ = ["PartCache", "check_fragment", "check_fragment_bytes", "fragment_path", "merged", "part_manifest", "read_fragment",
            "read_part", "whole"]

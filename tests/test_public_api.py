@@ -84,7 +84,8 @@ STORE_PROPERTIES = ["events", "mirror", "options", "ranks", "readonly", "recover
 #: What ``ckptstore.writer`` and ``ckptstore.integrations`` may use beyond the user API (issue 20).
 EXPECTED_SPI = [
     "classify", "commit_record", "part_of", "whole_of", "lock_handoff", "open_participant", "point_latest",
-    "rank_part", "record_bad", "shard_codec", "shard_spec", "CutIntent", "PendingCut", "RankPart", "ShardSpec", "CutInfo", "FileRecord", "Manifest",
+    "rank_part", "record_bad", "shard_codec", "shard_spec", "CutIntent", "PendingCut", "RankPart", "ShardSpec",
+    "CutInfo", "FileRecord", "Manifest",
     "TensorRecord", "TensorColumns", "AttachedFile", "FilesArg", "Source", "open_sources", "close_sources", "Policy",
     "policy_from_json", "policy_to_json", "read_or_none", "remember_tree_text", "tree_text", "Leaf",
     "flatten", "unflatten", "has_pickle", "ArrayItem", "describe", "empty_for", "torch_dtype_name",
